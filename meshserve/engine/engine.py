@@ -1,0 +1,172 @@
+"""The token-level engine of one host: add_request / step / abort.
+
+It joins the device-free scheduler and the device-bound runner, and speaks token ids only; text
+(tokenizer, detokenization, stop strings) lives at the edges (``LLM`` and the HTTP ingress).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import psutil
+import torch
+
+from meshserve.config import EngineConfig
+from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.request import FinishReason, Request, SamplingParams
+from meshserve.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from meshserve.runner.loader import LoadedModel, load_model
+from meshserve.runner.model_runner import ModelRunner, kv_bytes_per_block
+from meshserve.spmd.backend import create_backend
+
+logger = logging.getLogger("meshserve.engine")
+
+TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request after a step; plain data, safe to send between processes."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+
+
+def resolve_dtype(dtype: str, loaded_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    if dtype == "auto":
+        # Dequantized GGUF weights are fp32; eager CPU runs them fastest as they are.
+        return loaded_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class EngineCore:
+    """One engine: a scheduler, a block manager and a runner over one model."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        start = time.perf_counter()
+        self.config = config
+        dtype = resolve_dtype(config.dtype)
+        self.loaded = loaded or load_model(config.model, dtype=dtype)
+        self.backend = create_backend(config.device)
+        num_blocks, self.max_model_len = self._size_kv_cache(dtype)
+        sched = replace(config.scheduler, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(
+            self.loaded, self.backend, dtype, block_size=config.cache.block_size,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=self.max_model_len, bucket_gap=sched.bucket_gap, seed=config.seed)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.eos_token_ids = self.loaded.config.eos_token_ids
+        logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                    time.perf_counter() - start, self.loaded.name, self.backend.name,
+                    num_blocks, config.cache.block_size, self.max_model_len)
+
+    def _size_kv_cache(self, dtype: torch.dtype) -> tuple[int, int]:
+        """The KV sizing handshake: the runner's block size in bytes, the engine's block count.
+
+        Returns (number of blocks including the null block, max_model_len). An explicit
+        max_model_len that the cache cannot hold is an error; a default one is capped.
+        """
+        cache, sched = self.config.cache, self.config.scheduler
+        block_size = cache.block_size
+        model_max = self.loaded.config.max_position_embeddings
+        wanted_len = min(sched.max_model_len or model_max, model_max)
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            budget = psutil.virtual_memory().available * cache.memory_fraction
+            fits = int(budget // kv_bytes_per_block(self.loaded.config, block_size, dtype))
+            # No use holding more than every sequence at full length (+1 for the null block).
+            num_blocks = min(fits, sched.max_num_seqs * -(-wanted_len // block_size) + 1)
+        capacity = (num_blocks - 1) * block_size
+        if capacity < wanted_len:
+            if sched.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len: {wanted_len} does not fit in {num_blocks} KV blocks of "
+                    f"{block_size} tokens; raise num_kv_blocks or lower max_model_len to at most "
+                    f"{capacity}")
+            wanted_len = capacity
+        if wanted_len < 2:
+            raise ValueError(f"num_kv_blocks: {num_blocks} blocks hold no sequence")
+        return num_blocks, wanted_len
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    sample_index: int = 0) -> None:
+        """Queue a request; invalid input raises ValueError and changes nothing."""
+        self.validate_prompt(prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        self.scheduler.add_request(request, sample_index)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}")
+        vocab = self.loaded.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[TokenDelta]:
+        """Schedule, execute and apply one step; return what changed."""
+        step = self.scheduler.schedule()
+        output = self.execute(step)
+        return self.apply(step, output)
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run a step on this host's runner (followers of a multi-host replica call only this)."""
+        if step.is_empty and not step.finished_request_ids:
+            return RunnerOutput({})
+        return self.runner.execute(step)
+
+    def apply(self, step: SchedulerOutput, output: RunnerOutput) -> list[TokenDelta]:
+        deltas = []
+        for request in self.scheduler.update(step, output):
+            lp = output.logprobs.get(request.request_id)
+            deltas.append(self._delta(request, (request.output_token_ids[-1],),
+                                      None if lp is None else (lp,)))
+        return deltas
+
+    def _delta(self, request: Request, tokens: tuple[int, ...],
+               logprobs: tuple[TokenLogprobs, ...] | None) -> TokenDelta:
+        reason = request.finish_reason
+        return TokenDelta(request.request_id, tokens, logprobs,
+                          None if reason is None else FinishReason(reason).value,
+                          len(request.prompt_token_ids), request.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           bm.num_free_blocks, bm.num_total_blocks, bm.usage,
+                           bm.stats.queried_tokens, bm.stats.hit_tokens,
+                           self.scheduler.num_preemptions)

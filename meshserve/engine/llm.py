@@ -1,0 +1,160 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``, shaped after vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+from meshserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from meshserve.engine.detokenizer import IncrementalDetokenizer
+from meshserve.engine.engine import EngineCore, TokenDelta, TokenLogprobs
+from meshserve.engine.request import SamplingParams
+
+logger = logging.getLogger("meshserve.llm")
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    # One dict per generated token: token id -> Logprob, holding the sampled token and the top k.
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(step[tok].logprob for step, tok in zip(self.logprobs, self.token_ids))
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LLM:
+    """Generate from a batch of prompts on one local engine.
+
+    ``model=None`` serves the bundled SmolLM2-135M-Instruct. ``device`` is ``"cpu"`` (eager torch),
+    ``"xla"`` (torch_xla) or ``"auto"``. Other arguments size the scheduler and the KV cache as in
+    vLLM.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", *,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 seed: int = 0, **engine_kwargs) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            **engine_kwargs)
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.loaded.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType, sampling_params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        params = sampling_params or SamplingParams()
+        token_lists, texts = self._tokenize(prompts)
+        for tokens in token_lists:  # validate everything before queueing anything
+            self.engine.validate_prompt(tokens)
+        outputs: list[RequestOutput] = []
+        states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalDetokenizer]] = {}
+        for tokens, text in zip(token_lists, texts):
+            base = str(next(self._ids))
+            out = RequestOutput(base, text, list(tokens), [])
+            outputs.append(out)
+            for index in range(params.n):
+                request_id = f"{base}-{index}"
+                completion = CompletionOutput(index, "", [], [] if params.logprobs is not None
+                                              else None, None)
+                out.outputs.append(completion)
+                states[request_id] = (out, completion,
+                                      IncrementalDetokenizer(self.tokenizer, tokens, params))
+                self.engine.add_request(request_id, list(tokens), params, sample_index=index)
+        start, done = time.perf_counter(), 0
+        while self.engine.has_unfinished:
+            for delta in self.engine.step():
+                out, completion, detok = states[delta.request_id]
+                self._apply(delta, out, completion, detok)
+                if completion.finish_reason is not None:
+                    done += 1
+                    if use_tqdm:
+                        print(f"\rgenerated {done}/{len(states)} in "
+                              f"{time.perf_counter() - start:.1f}s", end="", file=sys.stderr)
+        if use_tqdm:
+            print(file=sys.stderr)
+        for out in outputs:
+            out.finished = True
+        return outputs
+
+    def _apply(self, delta: TokenDelta, out: RequestOutput, completion: CompletionOutput,
+               detok: IncrementalDetokenizer) -> None:
+        completion.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.extend(self._logprob_dict(t, lp) for t, lp in
+                                       zip(delta.token_ids, delta.logprobs))
+        out.num_cached_tokens = delta.num_cached_tokens
+        completion.text += detok.add(list(delta.token_ids), delta.finish_reason is not None)
+        if detok.stopped and delta.finish_reason is None:
+            self.engine.abort(delta.request_id)
+            completion.finish_reason, completion.stop_reason = "stop", "stop string"
+        elif delta.finish_reason is not None:
+            completion.finish_reason = delta.finish_reason
+            if delta.finish_reason == "stop":
+                completion.stop_reason = delta.token_ids[-1]
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        sampled, top_ids, top_lps = lp
+        entries = {t: Logprob(v, rank + 1, self.tokenizer.decode([t]))
+                   for rank, (t, v) in enumerate(zip(top_ids, top_lps))}
+        if token not in entries:
+            rank = 1 + sum(v > sampled for v in top_lps)
+            entries[token] = Logprob(sampled, rank, self.tokenizer.decode([token]))
+        return entries
+
+    def _tokenize(self, prompts: PromptType) -> tuple[list[list[int]], list[str | None]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts: expected a str, a non-empty list of str, or token-id lists")
+        if all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]  # a single token-id list
+        token_lists, texts = [], []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                token_lists.append(self.tokenizer.encode(prompt, add_special_tokens=True))
+                texts.append(prompt)
+            elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                token_lists.append(list(prompt))
+                texts.append(None)
+            else:
+                raise ValueError("prompts: each prompt must be a str or a list of token ids")
+        return token_lists, texts

@@ -1,0 +1,203 @@
+"""Continuous batching: decides who runs each step and emits it as plain data.
+
+There is no separate prefill phase. Every request carries ``num_computed_tokens``; each step gives
+running requests, then waiting ones, as many of their uncomputed tokens as the token budget allows
+(so long prompts are prefilled in chunks beside ongoing decodes). When KV blocks run out, the most
+recently admitted running request is preempted: its blocks are freed and it is recomputed later.
+The scheduler never touches a device; the runner never decides who runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from meshserve.config import SchedulerConfig
+from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has not seen (or has dropped after a preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt and any tokens generated before a preemption
+    num_prompt_tokens: int
+    params: SamplingParams
+    sample_index: int  # which of a prompt's n samples: keys its seeded random stream
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequestData:
+    """A request the runner already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step, as plain data: what the lead host broadcasts to its followers."""
+
+    new_requests: tuple[NewRequestData, ...]
+    running_requests: tuple[RunningRequestData, ...]
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: frozenset[str]  # finished, aborted or preempted since the last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What one step produced: a token for every request whose known tokens were all computed."""
+
+    sampled_token_ids: dict[str, int]
+    # request id -> (logprob of the sampled token, top token ids, their logprobs)
+    logprobs: dict[str, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._sample_index: dict[str, int] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue changes
+    def add_request(self, request: Request, sample_index: int = 0) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.arrival = request.arrival or time.monotonic()
+        self.requests[request.request_id] = request
+        self._sample_index[request.request_id] = sample_index
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish_reason = FinishReason.ABORT
+        self._finish(request)
+        return request
+
+    def _finish(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]
+        del self._sample_index[request.request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        running_data: list[RunningRequestData] = []
+        new_data: list[NewRequestData] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.block_manager.allocate(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.block_manager.allocate(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            running_data.append(RunningRequestData(
+                request.request_id, tuple(new_blocks), request.num_computed_tokens))
+            index += 1
+
+        # Admitting new work right after a preemption would only thrash the cache.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            request.num_computed_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks = self.block_manager.allocate(request, num_new, cached)
+            if blocks is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            stats = self.block_manager.stats
+            stats.queried_tokens += request.num_tokens
+            stats.hit_tokens += request.num_computed_tokens
+            request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_data.append(NewRequestData(
+                request_id=request.request_id,
+                token_ids=tuple(request.all_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                params=request.params,
+                sample_index=self._sample_index[request.request_id],
+                block_ids=tuple(self.block_manager.block_ids(request.request_id)),
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return SchedulerOutput(tuple(new_data), tuple(running_data), num_scheduled, finished)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self._finished_ids.add(request.request_id)  # the runner drops it until it is resumed
+        self.num_preemptions += 1
+
+    def update(self, step: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """Apply a step's results; return the requests that got a token or finished."""
+        max_len = self.config.max_model_len
+        changed: list[Request] = []
+        for request_id, num_tokens in step.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(request)
+            token = output.sampled_token_ids.get(request_id)
+            if token is None:
+                continue  # a prefill chunk that is not the last one
+            done = request.append_token(token, max_len)
+            changed.append(request)
+            if done:
+                self._finish(request)
+        return changed

@@ -1,0 +1,34 @@
+"""Static shape buckets: the finite set of (tokens, requests) shapes the runner ever executes.
+
+A compiling backend compiles each bucket once at warm-up; every step is padded up to the first
+bucket that fits, so serving never meets a new shape.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+def token_buckets(max_tokens: int, gap: int = 0, start: int = 16) -> list[int]:
+    """Double from ``start``; with a ``gap``, double up to it and then grow by it. Covers max."""
+    buckets = [start]
+    while buckets[-1] < max_tokens:
+        last = buckets[-1]
+        buckets.append(last * 2 if gap == 0 or last < gap else last + gap)
+    return buckets
+
+
+def request_buckets(max_requests: int, start: int = 8) -> list[int]:
+    """Powers of two from ``start``, the last one capped at ``max_requests``."""
+    buckets = [min(start, max_requests)]
+    while buckets[-1] < max_requests:
+        buckets.append(min(buckets[-1] * 2, max_requests))
+    return buckets
+
+
+def pick_bucket(buckets: list[int], count: int) -> int:
+    """The first bucket >= count."""
+    index = bisect.bisect_left(buckets, count)
+    if index == len(buckets):
+        raise ValueError(f"{count} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]

@@ -1,0 +1,110 @@
+"""Token sampling from a batch of logits, one row per request, all on the device.
+
+Randomness comes in as one uniform number per row, drawn on the CPU by the runner from a stream
+keyed by the request's seed and token index; the sampler turns it into a token by inverting the
+CDF of the filtered distribution. So a seeded request gets the same tokens whatever shares its
+batch, across preemptions and chunked prefills, on every backend, and the sampling graph holds no
+random-number state a compiler would have to track.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling inputs, padded to the request bucket. Padding rows are greedy."""
+
+    temperature: torch.Tensor  # [R] float32; 0 = greedy
+    top_k: torch.Tensor  # [R] int64; 0 = off
+    top_p: torch.Tensor  # [R] float32; 1 = off
+    min_p: torch.Tensor  # [R] float32; 0 = off
+    uniform: torch.Tensor  # [R] float32 in [0, 1)
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    penalties: "PenaltyTensors | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyTensors:
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+    output_ids: torch.Tensor  # [R, L] int64 generated tokens, padded with vocab_size
+    prompt_ids: torch.Tensor  # [R, P] int64 prompt tokens, padded with vocab_size
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R] int64
+    sampled_logprobs: torch.Tensor | None  # [R] float32
+    top_ids: torch.Tensor | None  # [R, K] int64
+    top_logprobs: torch.Tensor | None  # [R, K] float32
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> SamplerOutput:
+    """Pick one token per row of ``logits`` ``[R, vocab]`` (fp32).
+
+    ``num_logprobs > 0`` also returns the sampled token's log probability and the top
+    ``num_logprobs`` of the model's unmodified distribution.
+    """
+    processed = logits if t.penalties is None else apply_penalties(logits, t.penalties)
+    greedy = processed.argmax(dim=-1)
+    if t.all_greedy:
+        tokens = greedy
+    else:
+        tokens = torch.where(t.temperature == 0, greedy, _sample_random(processed, t))
+    if num_logprobs <= 0:
+        return SamplerOutput(tokens, None, None, None)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    sampled = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return SamplerOutput(tokens, sampled, top_ids, top_logprobs)
+
+
+def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
+    scaled = logits / temperature[:, None]
+    if t.use_top_k or t.use_top_p:
+        # Filters that depend on rank work on the sorted distribution.
+        scaled, order = scaled.sort(dim=-1, descending=True)
+        if t.use_top_k:
+            rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+            cut = (rank >= t.top_k[:, None]) & (t.top_k[:, None] > 0)
+            scaled = scaled.masked_fill(cut, float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        if t.use_top_p:
+            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+            cut = (before >= t.top_p[:, None]) & (t.top_p[:, None] < 1.0)
+            probs = probs.masked_fill(cut, 0.0)
+    else:
+        order = None
+        probs = scaled.softmax(dim=-1)
+    if t.use_min_p:
+        floor = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    target = (t.uniform * cdf[:, -1])[:, None]
+    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    if order is not None:
+        choice = order.gather(1, choice)
+    return choice.squeeze(1)
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (as in transformers); presence and
+    frequency penalties over output tokens (as in OpenAI's API)."""
+    rows, vocab = logits.shape
+    ones = torch.ones_like(p.output_ids, dtype=logits.dtype)
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts = counts.scatter_add_(1, p.output_ids, ones)[:, :vocab]  # [R, V]
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen = seen.scatter_(1, p.prompt_ids, True)[:, :vocab] | (counts > 0)
+    rep = p.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0).to(logits.dtype)
