@@ -61,6 +61,8 @@ class ModelRunner:
             model = LlamaForCausalLM(loaded.config, rotary)
         weights = {name: t.to(self.device, self.dtype) for name, t in loaded.weights.items()}
         model.load_state_dict(weights, strict=True, assign=True)
+        if not self.backend.static_shapes:
+            model.fuse_projections()
         return model.eval()
 
     # ------------------------------------------------------------------ KV cache handshake

@@ -25,10 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and cast back before the weight, as transformers does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -42,16 +40,35 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryAngles":
+        """cos/sin of this step's positions, gathered once and shared by every layer."""
+        return (self.cos[positions].to(dtype)[:, None, :],  # [T, 1, D]
+                self.sin[positions].to(dtype)[:, None, :])
+
+
+RotaryAngles = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(x: torch.Tensor, angles: RotaryAngles) -> torch.Tensor:
+    cos, sin = angles
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side."""
+    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                      bias=parts[0].bias is not None, device=parts[0].weight.device,
+                      dtype=parts[0].weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(False)
 
 
 class Attention(nn.Module):
@@ -66,14 +83,26 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, rotary: Rotary) -> torch.Tensor:
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection: fewer, larger matmuls for an unsharded backend."""
+        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+
+    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
-        q, k = rotary(q, k, positions)
+        q, k, v = self._project(x)
+        q = apply_rotary(q.view(tokens, -1, self.head_dim), angles)  # [T, H, D]
+        k = apply_rotary(k.view(tokens, -1, self.head_dim), angles)  # [T, Hkv, D]
+        v = v.view(tokens, -1, self.head_dim)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = torch_paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
@@ -85,9 +114,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +136,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, rotary: Rotary) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, rotary)
+    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,9 +164,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        angles = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, self.rotary)
+            x = layer(x, angles, kv_cache, meta)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up matmuls (for backends that do not shard the weights)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.model.embed_tokens.weight if self.config.tie_word_embeddings
