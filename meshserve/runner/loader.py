@@ -73,6 +73,20 @@ def default_model_path() -> str:
     return path
 
 
+def load_tokenizer(path: str | None) -> "transformers.PreTrainedTokenizerBase":
+    """Only the tokenizer of a model folder or GGUF file (``None``: the bundled model).
+
+    The HTTP edge needs it without the weights.
+    """
+    from transformers import AutoTokenizer
+
+    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(path))
+    if path.endswith(".gguf"):
+        folder, file = os.path.split(path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def load_model(path: str | None, dtype: torch.dtype = torch.float32,
                progress: bool = True) -> LoadedModel:
     """Load a Hugging Face folder or a ``.gguf`` file (``None``: the bundled default model).
@@ -98,7 +112,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32,
 
 def _load_folder(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -113,7 +127,7 @@ def _load_folder(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     config = _model_config(hf_config, _generation_eos(path))
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = load_tokenizer(path)
     shapes = _expected_shapes(config)
 
     weights: dict[str, torch.Tensor] = {}
@@ -136,14 +150,14 @@ def _load_folder(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
 def _load_gguf(path: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
     import gguf
     import numpy as np
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     folder, file = os.path.split(path)
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
     _check_architecture(hf_config.model_type, path)
     config = _model_config(hf_config, ())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    tokenizer = load_tokenizer(path)
     shapes = _expected_shapes(config)
 
     reader = gguf.GGUFReader(path)

@@ -1,0 +1,122 @@
+"""The ``meshserve`` command: ``serve``, ``bench serve`` and ``k8s render``."""
+
+from __future__ import annotations
+
+import os
+
+# Keep every Ray socket on loopback; must be set before ray is imported anywhere.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None,
+                   help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
+    p.add_argument("--device", choices=["auto", "cpu", "xla"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--hosts-per-replica", type=int, default=1)
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--compile-cache-dir", default=None)
+    p.add_argument("--max-queued-requests", type=int, default=512)
+    p.add_argument("--host-num-cpus", type=float, default=1.0,
+                   help="CPUs each host actor reserves in Ray")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer token on /v1 routes (or set MESHSERVE_API_KEY)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_serve)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from meshserve.deploy.settings import ServeSettings
+
+    return ServeSettings(
+        model=args.model, served_model_name=args.served_model_name, device=args.device,
+        dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        hosts_per_replica=args.hosts_per_replica, num_replicas=args.num_replicas,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        compile_cache_dir=args.compile_cache_dir, max_queued_requests=args.max_queued_requests,
+        host_num_cpus=args.host_num_cpus, api_key=args.api_key, seed=args.seed)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from meshserve.deploy.app import build_app
+
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"meshserve serve: {exc}", file=sys.stderr)
+        return 2
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
+    serve.run(build_app(settings), name="meshserve", route_prefix="/", blocking=False)
+    router = serve.get_deployment_handle("Router", app_name="meshserve")
+    url = f"http://{args.host}:{args.port}"
+    print(f"meshserve: loading {settings.model_name()} and warming up...", flush=True)
+    started = time.monotonic()
+    while True:
+        try:
+            if router.ready.remote().result():
+                break
+        except Exception as exc:  # noqa: BLE001 - report why the model did not come up
+            print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
+            serve.shutdown()
+            return 1
+        time.sleep(0.5)
+    print(f"meshserve: ready in {time.monotonic() - started:.0f}s, serving "
+          f"{settings.model_name()!r} at {url}/v1 (Ctrl+C to stop)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("meshserve: shutting down", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshserve", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    from meshserve.deploy.k8s import add_k8s_parser
+    from meshserve.deploy.serving_bench import add_bench_parser
+
+    add_bench_parser(subparsers)
+    add_k8s_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP ingress: a FastAPI app served as a Ray Serve deployment.
+
+It validates requests (pydantic), renders chat templates, tokenizes, hands token ids to the router,
+and turns what comes back into OpenAI responses or server-sent events. Every error leaves in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a
+500, and never carries a stack trace.
+"""
+
+# No "from __future__ import annotations": FastAPI must see real types on the route methods.
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshserve.deploy import responses
+from meshserve.deploy.choices import ChoiceRunner
+from meshserve.deploy.metrics import ServingMetrics
+from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                       ModelList, now)
+from meshserve.deploy.router import RequestRejected, RouterOverloaded
+from meshserve.deploy.settings import ServeSettings
+from meshserve.engine.request import SamplingParams
+from meshserve.runner.loader import load_tokenizer
+
+logger = logging.getLogger("meshserve.ingress")
+
+app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        return error_response(400, "the request body is not valid JSON", None)
+    message = first.get("msg", "invalid request")
+    return error_response(400, f"{param}: {message}" if param else message, param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), None, kind)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error")
+    return error_response(500, "internal error", None, "internal_error")
+
+
+@serve.deployment(name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=0.5,
+                  graceful_shutdown_timeout_s=10)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, router, settings: ServeSettings) -> None:
+        self.router = router
+        self.settings = settings
+        self.model_name = settings.model_name()
+        self.tokenizer = load_tokenizer(settings.model)
+        self.api_key = settings.resolved_api_key()
+        self.metrics = ServingMetrics()
+        self._info = None
+
+    # ------------------------------------------------------------------ plumbing
+    async def _model_info(self):
+        if self._info is None:
+            if not await self.router.ready.remote():
+                raise APIError(503, "the model is still loading", kind="service_unavailable")
+            self._info = await self.router.info.remote()
+        return self._info
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key", kind="authentication_error")
+
+    async def _body(self, request: Request, model_class):
+        self._authorize(request)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.settings.max_body_bytes:
+            raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            body = model_class.model_validate(data)
+        except Exception as exc:  # pydantic.ValidationError
+            raise RequestValidationError(exc.errors()) from None
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", "not_found_error")
+        return body
+
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None, info) -> int:
+        """Validate prompt and max_tokens against the context; return the effective max_tokens."""
+        limit = info.max_model_len
+        longest = max(len(p) for p in prompts)
+        if longest >= limit:
+            raise APIError(400, f"the prompt has {longest} tokens; this model's context is "
+                                f"{limit} tokens", "prompt")
+        if any(t >= info.vocab_size or t < 0 for p in prompts for t in p):
+            raise APIError(400, f"token ids must be in [0, {info.vocab_size})", "prompt")
+        if max_tokens is None:
+            return limit - longest
+        if longest + max_tokens > limit:
+            raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {longest} tokens "
+                                f"exceeds this model's context of {limit} tokens", "max_tokens")
+        return max_tokens
+
+    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
+
+    async def _run(self, runner: ChoiceRunner, stream_fn, final_fn, stream: bool):
+        self.metrics.started()
+        if stream:
+            return StreamingResponse(self._sse(runner, stream_fn), media_type="text/event-stream")
+        try:
+            async for _ in runner.events():
+                pass
+        except Exception as exc:
+            self.metrics.finished(runner, "error")
+            raise self._translate(exc) from None
+        self.metrics.finished(runner, "ok")
+        return JSONResponse(final_fn(runner).model_dump(exclude_none=False))
+
+    async def _sse(self, runner: ChoiceRunner, stream_fn):
+        status = "cancelled"
+        try:
+            async for chunk in stream_fn(runner):
+                yield f"data: {chunk}\n\n"
+            status = "ok"
+        except Exception as exc:
+            status = "error"
+            err = self._translate(exc)
+            body = {"error": {"message": err.message, "type": err.kind, "param": err.param,
+                              "code": err.status}}
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            self.metrics.finished(runner, status)
+        if status != "cancelled":
+            yield "data: [DONE]\n\n"
+
+    def _translate(self, exc: Exception) -> APIError:
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, RouterOverloaded):
+            return APIError(429, "the server is overloaded; retry later", None,
+                            "rate_limit_error", {"Retry-After": "1"})
+        if isinstance(exc, RequestRejected):
+            return APIError(400, str(exc).splitlines()[-1], "prompt")
+        logger.error("generation failed: %r", exc)
+        return APIError(503, "generation failed on a model replica; retry the request", None,
+                        "service_unavailable")
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self) -> Response:
+        ready = await self.router.ready.remote()
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        try:
+            stats = await self.router.stats.remote()
+        except Exception:  # noqa: BLE001 - metrics stay available while replicas restart
+            stats = None
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        info = self._info
+        if info is None and await self.router.ready.remote():
+            info = await self._model_info()
+        card = ModelCard(id=self.model_name, created=now(),
+                         max_model_len=None if info is None else info.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        info = await self._model_info()
+        prompts = responses.completion_prompts(body.prompt, self.tokenizer)
+        max_tokens = self._check_lengths(prompts, body.max_tokens, info)
+        runner = ChoiceRunner(self.router, self.tokenizer, prompts,
+                              self._params(body, max_tokens, body.logprobs))
+        view = responses.CompletionView(body, self.model_name, runner)
+        return await self._run(runner, view.chunks, view.final, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+        info = await self._model_info()
+        prompt = responses.chat_prompt(body.messages, self.tokenizer)
+        max_tokens = self._check_lengths([prompt], body.requested_max_tokens, info)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        runner = ChoiceRunner(self.router, self.tokenizer, [prompt],
+                              self._params(body, max_tokens, logprobs))
+        view = responses.ChatView(body, self.model_name, runner)
+        return await self._run(runner, view.chunks, view.final, body.stream)

@@ -1,0 +1,179 @@
+"""The router: a Ray Serve deployment in front of the host actors.
+
+It owns the replicas (each one or more ``HostActor``), picks one per sequence by load with
+prefix-cache affinity, and turns each replica's single output channel back into one stream per
+sequence. It speaks token ids; text is the ingress's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+from ray import serve
+
+from meshserve.actors.host import GenerateSpec, HostInfo
+from meshserve.actors.replica import ReplicaGroup, start_replicas
+from meshserve.deploy.settings import ServeSettings
+from meshserve.engine.engine import TokenDelta
+
+logger = logging.getLogger("meshserve.router")
+
+AFFINITY_BLOCKS = 4  # prompts sharing this many leading KV blocks are steered together
+AFFINITY_SLACK = 2.0  # ...unless that replica carries more than this times the lightest load
+
+
+class RouterOverloaded(RuntimeError):
+    """The router's queue is full; the client should retry later."""
+
+
+class RequestRejected(ValueError):
+    """A host refused a request as invalid (the message says why)."""
+
+
+@dataclass
+class ReplicaState:
+    group: ReplicaGroup
+    index: int
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    load_tokens: int = 0  # tokens still owed by sequences in flight
+    healthy: bool = True
+    pump: asyncio.Task | None = None
+
+
+class Router:
+    """Routes sequences to replicas and streams their tokens back."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.channel = f"router-{uuid.uuid4().hex[:8]}"
+        self.replicas = [ReplicaState(group, i) for i, group in
+                         enumerate(start_replicas(settings))]
+        self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
+        self._in_flight = 0
+        self._info: HostInfo | None = None
+        self._ready = asyncio.Event()
+        self._warmup: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ readiness
+    async def ready(self) -> bool:
+        """True once every replica has loaded and warmed up (never blocks)."""
+        if self._warmup is None:
+            self._warmup = asyncio.get_running_loop().create_task(self._wait_ready())
+        if self._warmup.done() and self._warmup.exception() is not None:
+            raise self._warmup.exception()
+        return self._ready.is_set()
+
+    async def _wait_ready(self) -> None:
+        infos = await asyncio.gather(*(r.group.ready() for r in self.replicas))
+        self._info = infos[0]
+        for replica in self.replicas:
+            replica.pump = asyncio.get_running_loop().create_task(self._pump(replica))
+        self._ready.set()
+        logger.info("router ready: %d replicas", len(self.replicas))
+
+    async def info(self) -> HostInfo:
+        await self.ready()
+        await self._ready.wait()
+        assert self._info is not None
+        return self._info
+
+    async def stats(self) -> dict:
+        per_replica = await asyncio.gather(*(r.group.stats() for r in self.replicas
+                                             if r.healthy), return_exceptions=True)
+        engines = [s for s in per_replica if not isinstance(s, BaseException)]
+        return {
+            "in_flight": self._in_flight,
+            "replicas": len(self.replicas),
+            "healthy_replicas": sum(r.healthy for r in self.replicas),
+            "engines": [asdict(s) for s in engines],
+            "node_ids": [r.group.node_ids for r in self.replicas],
+        }
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
+        """Stream the token deltas of one sequence; the last one carries a finish reason."""
+        await self.info()
+        if self._in_flight >= self.settings.max_queued_requests:
+            raise RouterOverloaded(f"{self._in_flight} requests in flight")
+        replica = self._pick(spec)
+        cost = len(spec.prompt_token_ids) + spec.params.max_tokens
+        stream: asyncio.Queue = asyncio.Queue()
+        replica.streams[spec.request_id] = stream
+        replica.load_tokens += cost
+        self._in_flight += 1
+        finished = False
+        try:
+            errors = await replica.group.submit(self.channel, [spec])
+            if errors[0] is not None:
+                raise RequestRejected(errors[0])
+            while not finished:
+                batch = [await stream.get()]
+                while not stream.empty():
+                    batch.append(stream.get_nowait())
+                failure = next((d for d in batch if isinstance(d, BaseException)), None)
+                if failure is not None:
+                    raise failure
+                finished = batch[-1].finish_reason is not None
+                yield batch
+        finally:
+            replica.streams.pop(spec.request_id, None)
+            replica.load_tokens -= cost
+            self._in_flight -= 1
+            if not finished:  # client went away, or an error: free the KV blocks now
+                replica.group.abort([spec.request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for replica in self.replicas:
+            owned = [r for r in request_ids if r in replica.streams]
+            if owned:
+                replica.group.abort(owned)
+
+    def _pick(self, spec: GenerateSpec) -> ReplicaState:
+        healthy = [r for r in self.replicas if r.healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica")
+        lightest = min(healthy, key=lambda r: r.load_tokens)
+        key = self._prefix_key(spec.prompt_token_ids)
+        if key is None:
+            return lightest
+        index = self._affinity.get(key)
+        if index is not None:
+            holder = self.replicas[index]
+            if holder.healthy and holder.load_tokens <= AFFINITY_SLACK * lightest.load_tokens + \
+                    len(spec.prompt_token_ids) + spec.params.max_tokens:
+                self._affinity.move_to_end(key)
+                return holder
+        self._affinity[key] = lightest.index
+        if len(self._affinity) > 4096:
+            self._affinity.popitem(last=False)
+        return lightest
+
+    def _prefix_key(self, tokens: tuple[int, ...]) -> int | None:
+        span = AFFINITY_BLOCKS * self.settings.block_size
+        return hash(tokens[:span]) if len(tokens) > span else None
+
+    async def _pump(self, replica: ReplicaState) -> None:
+        """Fan a replica's output channel out to the per-sequence streams."""
+        try:
+            async for batch in replica.group.outputs(self.channel):
+                for delta in batch:
+                    stream = replica.streams.get(delta.request_id)
+                    if stream is not None:
+                        stream.put_nowait(delta)
+        except Exception as exc:  # the replica died: fail its sequences instead of hanging
+            logger.error("replica %d failed: %r", replica.index, exc)
+            replica.healthy = False
+            for stream in replica.streams.values():
+                stream.put_nowait(RuntimeError(f"replica {replica.index} failed: {exc}"))
+
+
+RouterDeployment = serve.deployment(
+    Router, name="Router", num_replicas=1, ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=100_000, graceful_shutdown_wait_loop_s=0.5,
+    graceful_shutdown_timeout_s=5)
