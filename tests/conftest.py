@@ -65,3 +65,15 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int,
                                  top_k=None)
         results.append(out[0, len(prompt):].tolist())
     return results
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """``meshserve serve`` on the tiny Llama, shared by the HTTP test modules."""
+    from tests.server import start_server
+
+    log = tmp_path_factory.mktemp("logs") / "serve-tiny.log"
+    server = start_server(["--model", tiny_llama_dir, "--num-kv-blocks", "400",
+                           "--max-model-len", "512", "--max-queued-requests", "256"], log)
+    yield server
+    server.stop()

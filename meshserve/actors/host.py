@@ -66,7 +66,6 @@ class HostActor:
         self._owner: dict[str, str] = {}  # request id -> channel id
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, known at first call
         self._error: str | None = None
-        self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -99,7 +98,8 @@ class HostActor:
             self._inbox.put(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        return self._stats
+        # Read across threads: each field is a plain read, good enough for gauges.
+        return self.engine.stats()
 
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
         """A router's stream of token deltas for the requests it submitted on ``channel``."""
@@ -129,7 +129,6 @@ class HostActor:
                 if not engine.has_unfinished:
                     continue
                 deltas = engine.step()
-                self._stats = engine.stats()
                 if deltas:
                     self._publish(deltas)
         except Exception as exc:  # a bug or a device failure: fail every stream loudly

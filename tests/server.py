@@ -1,0 +1,81 @@
+"""Start ``meshserve serve`` the way the README does, as a child process, and stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus samples without labels, by name."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Wait until no sequence runs and every KV block is free; return the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["meshserve_num_requests_running"] == 0
+                    and m["meshserve_num_requests_waiting"] == 0
+                    and m["meshserve_kv_cache_free_blocks"] == m["meshserve_kv_cache_total_blocks"])
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
+    """Run ``meshserve serve ARGS`` on a free loopback port and wait until /health says 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "meshserve.deploy.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), *args]
+    out = open(log, "w")
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})}, start_new_session=True)
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"meshserve serve exited early:\n{log.read_text()[-4000:]}")
+        if "meshserve: ready" in log.read_text():
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            return server
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"meshserve serve did not become ready:\n{log.read_text()[-4000:]}")
