@@ -64,7 +64,7 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized from memory by the engine
     enable_prefix_caching: bool = True
     # Fraction of available host memory the KV cache may take when num_blocks is None.
-    memory_fraction: float = 0.25
+    memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
