@@ -1,9 +1,14 @@
-"""``HostActor``: the Ray actor that owns one host's engine.
+"""Host actors: the Ray actors that own one host's engine.
 
-The engine runs in its own thread, stepping while there is work and sleeping on its inbox when
-there is none, so the actor's asyncio loop stays free to take requests, aborts and stats calls.
-Results leave through per-subscriber output channels: one Ray streaming call per router, each
-item a batch of token deltas from one or more steps, instead of one message per token.
+``HostActor`` serves: its engine runs in its own thread, stepping while there is work and sleeping
+on its inbox when there is none, so the actor's asyncio loop stays free to take requests, aborts
+and stats calls. Results leave through per-subscriber output channels: one Ray streaming call per
+router, each item a batch of token deltas from one or more steps, instead of one message per
+token. Ray programs can also call it directly (``generate`` / ``generate_stream``), which is how
+batch jobs use a host without Serve.
+
+In a multi-host replica the ``HostActor`` is the lead and the other hosts are ``FollowerHost`` s
+(see ``lockstep.py``); both share ``EngineHost`` for what every host does.
 """
 
 from __future__ import annotations
@@ -13,14 +18,22 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshserve.config import EngineConfig
-from meshserve.engine.engine import EngineCore, EngineStats, TokenDelta
+from meshserve.engine.engine import EngineCore, EngineStats, TokenDelta, TokenLogprobs
 from meshserve.engine.request import SamplingParams
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 logger = logging.getLogger("meshserve.host")
+
+# The TPU runtime variables a host may be started with (see placement.py); reported in HostInfo.
+TPU_ENV_VARS = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +47,27 @@ class GenerateSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished sequence: what the unary ``generate`` calls return."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @classmethod
+    def from_deltas(cls, request_id: str, deltas: Sequence[TokenDelta]) -> "Completion":
+        last = deltas[-1]
+        logprobs = None
+        if last.logprobs is not None:
+            logprobs = tuple(lp for d in deltas for lp in d.logprobs or ())
+        return cls(request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
+                   last.num_prompt_tokens, last.num_cached_tokens, logprobs)
+
+
+@dataclass(frozen=True, slots=True)
 class HostInfo:
     node_id: str
     host_index: int
@@ -42,14 +76,15 @@ class HostInfo:
     vocab_size: int
     num_total_blocks: int
     block_size: int
+    tpu_env: dict[str, str] = field(default_factory=dict)  # the TPU runtime variables it runs with
 
 
 class HostError(RuntimeError):
-    """The engine of a host failed; every request on it is lost."""
+    """The engine of a host failed (or its replica fell out of step); its requests are lost."""
 
 
-class HostActor:
-    """Owns an engine on one host. Create it with ``ray.remote(HostActor)``."""
+class EngineHost:
+    """What every host actor does: build the engine on this host and describe it."""
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
                  num_threads: int | None = None) -> None:
@@ -57,25 +92,40 @@ class HostActor:
         import torch
 
         # Ray sets OMP_NUM_THREADS to the actor's CPU count; the engine wants every core it owns.
+        # (torch applies this count to threads started later too, such as the engine thread.)
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.engine = EngineCore(config)
         self.host_index = host_index
         self.node_id = ray.get_runtime_context().get_node_id()
+
+    def info(self) -> HostInfo:
+        e = self.engine
+        tpu_env = {name: os.environ[name] for name in TPU_ENV_VARS if name in os.environ}
+        return HostInfo(self.node_id, self.host_index, e.loaded.name, e.max_model_len,
+                        e.loaded.config.vocab_size, e.block_manager.num_total_blocks,
+                        e.config.cache.block_size, tpu_env)
+
+
+class HostActor(EngineHost):
+    """Owns an engine on one host and serves it. Start it with ``start_host`` (or
+    ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica."""
+
+    def __init__(self, config: EngineConfig, host_index: int = 0,
+                 num_threads: int | None = None, followers: Sequence = ()) -> None:
+        from meshserve.actors.lockstep import Lockstep
+
+        super().__init__(config, host_index, num_threads)
+        self._lockstep = Lockstep(followers) if followers else None
         self._inbox: queue.Queue = queue.Queue()
         self._channels: dict[str, asyncio.Queue] = {}
         self._owner: dict[str, str] = {}  # request id -> channel id
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, known at first call
         self._error: str | None = None
+        self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ actor API
-    def info(self) -> HostInfo:
-        e = self.engine
-        return HostInfo(self.node_id, self.host_index, e.loaded.name, e.max_model_len,
-                        e.loaded.config.vocab_size, e.block_manager.num_total_blocks,
-                        e.config.cache.block_size)
-
+    # ------------------------------------------------------------------ router API
     async def submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:
         """Queue requests; returns an error message per spec (None when accepted)."""
         if self._error is not None:
@@ -84,6 +134,8 @@ class HostActor:
         errors: list[str | None] = []
         for spec in specs:
             try:
+                if spec.request_id in self._owner:
+                    raise ValueError(f"request_id {spec.request_id!r} is already in use")
                 self.engine.validate_prompt(list(spec.prompt_token_ids))
             except ValueError as exc:
                 errors.append(str(exc))
@@ -98,7 +150,8 @@ class HostActor:
             self._inbox.put(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        # Read across threads: each field is a plain read, good enough for gauges.
+        # Read live across threads (each field is a plain read): after an abort the engine
+        # idles, so a snapshot taken per step would go stale.
         return self.engine.stats()
 
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
@@ -106,19 +159,60 @@ class HostActor:
         out = self._open(channel)
         try:
             while True:
-                batch = list(await out.get())
-                while not out.empty():  # coalesce whatever else is ready
-                    batch.extend(out.get_nowait())
-                failure = next((d for d in batch if isinstance(d, HostError)), None)
-                if failure is not None:
-                    raise failure
-                yield batch
+                yield await self._next_batch(out)
         finally:
             self._channels.pop(channel, None)
 
+    # ------------------------------------------------------------------ direct API
+    async def generate_stream(self, prompt_token_ids: Sequence[int],
+                              params: SamplingParams | None = None,
+                              request_id: str | None = None) -> AsyncIterator[list[TokenDelta]]:
+        """Stream one sequence's token deltas; the last carries a finish reason.
+
+        Call it with ``.options(num_returns="streaming")``. Invalid prompts raise ValueError;
+        closing the stream early aborts the request.
+        """
+        spec = GenerateSpec(request_id or uuid.uuid4().hex, tuple(prompt_token_ids),
+                            params or SamplingParams())
+        if spec.request_id in self._owner:  # before its channel exists, which would be shared
+            raise ValueError(f"request_id {spec.request_id!r} is already in use")
+        channel = f"direct-{spec.request_id}"  # a private channel: its one reader is this call
+        out = self._open(channel)
+        finished = False
+        try:
+            error = (await self.submit(channel, [spec]))[0]
+            if error is not None:
+                raise ValueError(error)
+            while not finished:
+                batch = await self._next_batch(out)
+                finished = batch[-1].finish_reason is not None
+                yield batch
+        finally:
+            self._channels.pop(channel, None)
+            if not finished:
+                self.abort([spec.request_id])
+
+    async def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> Completion:
+        """Generate one sequence to the end. Concurrent calls share the engine's batch."""
+        deltas = [d async for batch in self.generate_stream(prompt_token_ids, params, request_id)
+                  for d in batch]
+        return Completion.from_deltas(deltas[0].request_id, deltas)
+
+    # ------------------------------------------------------------------ channels
     def _open(self, channel: str) -> asyncio.Queue:
         self._loop = asyncio.get_running_loop()
         return self._channels.setdefault(channel, asyncio.Queue())
+
+    @staticmethod
+    async def _next_batch(out: asyncio.Queue) -> list[TokenDelta]:
+        batch = list(await out.get())
+        while not out.empty():  # coalesce whatever else is ready
+            batch.extend(out.get_nowait())
+        failure = next((d for d in batch if isinstance(d, HostError)), None)
+        if failure is not None:
+            raise failure
+        return batch
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -128,14 +222,20 @@ class HostActor:
                 self._drain_inbox(block=not engine.has_unfinished)
                 if not engine.has_unfinished:
                     continue
-                deltas = engine.step()
+                deltas = self._step()
                 if deltas:
                     self._publish(deltas)
-        except Exception as exc:  # a bug or a device failure: fail every stream loudly
+        except Exception as exc:  # a bug, a device failure or a lost follower: fail loudly
             logger.exception("engine failed")
-            self._error = f"host {self.host_index} engine failed: {exc!r}"
+            self._error = f"host {self.host_index} engine failed: {exc}"
             for channel in list(self._channels.values()):
                 self._post(channel, [HostError(self._error)])
+
+    def _step(self) -> list[TokenDelta]:
+        if self._lockstep is None:
+            return self.engine.step()
+        step = self.engine.scheduler.schedule()
+        return self.engine.apply(step, self._lockstep.execute(self.engine, step))
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -172,3 +272,16 @@ class HostActor:
     def _post(self, channel: asyncio.Queue, batch: list) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(channel.put_nowait, batch)
+
+
+def start_host(config: EngineConfig | None = None, *, num_cpus: float = 1.0,
+               **actor_options) -> ActorHandle:
+    """Start one ``HostActor`` on the connected Ray cluster and return its handle.
+
+    ``actor_options`` go to ``.options()`` (``resources``, ``scheduling_strategy``, ``name``...).
+    The handle is usable at once; calls wait until the engine has loaded.
+    """
+    import ray
+
+    return ray.remote(HostActor).options(num_cpus=num_cpus, **actor_options).remote(
+        config or EngineConfig())

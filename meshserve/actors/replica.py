@@ -1,33 +1,37 @@
 """Replicas: groups of host actors placed on distinct hosts, and how a router talks to one.
 
-A replica is one or more ``HostActor`` s. With one host, that actor serves on its own. Placement
-goes through a Ray placement group: one bundle per host, spread so that no two hosts of the
-deployment share a node when the cluster has enough of them.
+A replica is one ``HostActor`` (the lead, host 0) plus, when it spans several hosts, one
+``FollowerHost`` per other host that runs the lead's steps in lockstep (``lockstep.py``). Only the
+lead takes requests and yields tokens. Where the hosts go is ``placement.py``'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import ray
-from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshserve.actors.host import GenerateSpec, HostActor, HostInfo
+from meshserve.actors.lockstep import FollowerHost, check_agreement
+from meshserve.actors.placement import HostSlot, Placement, place_hosts
+from meshserve.config import EngineConfig
 from meshserve.engine.engine import EngineStats, TokenDelta
 
 
 class ReplicaGroup:
-    """The host actors of one replica; the lead (host 0) takes requests and yields tokens."""
+    """The host actors of one replica; the lead takes requests and yields tokens."""
 
-    def __init__(self, hosts: list) -> None:
-        self.hosts = hosts
-        self.lead = hosts[0]
+    def __init__(self, lead, followers: Sequence = ()) -> None:
+        self.lead = lead
+        self.followers = list(followers)
+        self.hosts = [lead, *self.followers]
         self.node_ids: list[str] = []
 
     async def ready(self) -> HostInfo:
+        """Wait until every host has loaded; check they agree; return the lead's info."""
         infos: list[HostInfo] = await asyncio.gather(*(h.info.remote() for h in self.hosts))
+        check_agreement(infos)
         self.node_ids = [info.node_id for info in infos]
         return infos[0]
 
@@ -45,26 +49,28 @@ class ReplicaGroup:
         async for ref in stream:
             yield await ref
 
+    def kill(self) -> None:
+        for host in self.hosts:
+            ray.kill(host)
 
-def start_replicas(settings) -> list[ReplicaGroup]:
-    """Create every host actor of a deployment (``ServeSettings``) and group them by replica."""
-    hosts_per_replica = settings.hosts_per_replica
-    if hosts_per_replica != 1:
-        raise NotImplementedError("hosts_per_replica > 1 needs the multi-host replica support")
-    total = settings.num_replicas * hosts_per_replica
-    group = placement_group([{"CPU": settings.host_num_cpus}] * total, strategy="SPREAD",
-                            name=f"meshserve-hosts-{id(settings):x}")
-    engine_config = settings.engine_config()
-    actor = ray.remote(HostActor)
-    replicas = []
-    for r in range(settings.num_replicas):
-        hosts = [
-            actor.options(
-                num_cpus=settings.host_num_cpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=r * hosts_per_replica + h),
-            ).remote(engine_config, host_index=h)
-            for h in range(hosts_per_replica)
-        ]
-        replicas.append(ReplicaGroup(hosts))
-    return replicas
+
+def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
+                  follower_class: type[FollowerHost] = FollowerHost) -> ReplicaGroup:
+    """Start one replica's actors in its slots (lead first); returns before they have loaded.
+
+    Every host starts at once: on a TPU slice the runtime connects all of a slice's hosts when it
+    starts, so none may wait for another. ``follower_class`` lets tests inject a faulty follower.
+    """
+    followers = [ray.remote(follower_class).options(**slot.actor_options())
+                 .remote(config, host_index=h) for h, slot in enumerate(slots[1:], start=1)]
+    lead = ray.remote(HostActor).options(**slots[0].actor_options()).remote(
+        config, host_index=0, followers=followers)
+    return ReplicaGroup(lead, followers)
+
+
+def start_replicas(settings) -> tuple[Placement, list[ReplicaGroup]]:
+    """Place and start every replica of a deployment (``ServeSettings``)."""
+    placement = place_hosts(settings.num_replicas, settings.hosts_per_replica,
+                            settings.host_num_cpus)
+    config = settings.engine_config()
+    return placement, [start_replica(slots, config) for slots in placement.replicas]

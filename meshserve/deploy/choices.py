@@ -54,15 +54,34 @@ class ChoiceRunner:
         self.started = time.monotonic()
         self.choices = [ChoiceState(i * params.n + j, prompt)
                         for i, prompt in enumerate(prompts) for j in range(params.n)]
+        self._tasks: list[asyncio.Task] = []
+        self._failure: BaseException | None = None
+
+    async def start(self) -> None:
+        """Submit every sequence; return once each has produced its first tokens.
+
+        A request the router refuses (overload, invalid prompt) raises here, before any
+        response has been sent, so the client gets a proper HTTP status even when streaming.
+        """
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending_first = len(self.choices)
+        self._all_started = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._run_choice(c)) for c in self.choices]
+        try:
+            await self._all_started.wait()
+        except asyncio.CancelledError:  # the client left before the first token
+            await self.close()
+            raise
+        if self._failure is not None:
+            await self.close()
+            raise self._failure
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Every choice's events, interleaved as they arrive; errors propagate."""
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run_choice(choice, queue)) for choice in self.choices]
-        remaining = len(tasks)
+        remaining = len(self._tasks)
         try:
             while remaining:
-                item = await queue.get()
+                item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item is None:
@@ -70,25 +89,49 @@ class ChoiceRunner:
                     continue
                 yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
 
-    async def _run_choice(self, choice: ChoiceState, queue: asyncio.Queue) -> None:
+    def interrupt(self, reason: BaseException) -> None:
+        """End the request early: its consumer sees ``reason`` raised (e.g. a shutdown)."""
+        self._queue.put_nowait(reason)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _first_response(self, failure: BaseException | None = None) -> None:
+        if failure is not None and self._failure is None:
+            self._failure = failure
+        self._pending_first -= 1
+        if self._pending_first == 0 or failure is not None:
+            self._all_started.set()
+
+    async def _run_choice(self, choice: ChoiceState) -> None:
+        queue = self._queue
         spec = GenerateSpec(f"{self.request_id}-{choice.index}", tuple(choice.prompt_token_ids),
                             self.params, sample_index=choice.index % self.params.n)
         detok = IncrementalDetokenizer(self.tokenizer, choice.prompt_token_ids, self.params)
-        stream = self.router.options(stream=True).generate.remote(spec)
+        stream = self.router.options(stream=True).generate_stream.remote(spec)
+        first = True
         try:
             async for batch in stream:
+                if first:
+                    first = False
+                    self._first_response()
                 for delta in batch:
                     event = self._apply(choice, detok, delta)
                     queue.put_nowait(event)
                     if event.finish_reason is not None:
                         return
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
+            if first:
+                first = False
+                self._first_response(exc)
             queue.put_nowait(exc)
         finally:
+            if first:  # cancelled before any answer
+                self._first_response()
             if choice.finish_reason is None or detok.stopped:
                 stream.cancel()  # stop string, error or disconnect: the router aborts the host
             queue.put_nowait(None)

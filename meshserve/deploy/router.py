@@ -1,15 +1,23 @@
 """The router: a Ray Serve deployment in front of the host actors.
 
-It owns the replicas (each one or more ``HostActor``), picks one per sequence by load with
-prefix-cache affinity, and turns each replica's single output channel back into one stream per
-sequence. It speaks token ids; text is the ingress's business.
+It owns the replicas (a lead ``HostActor``, plus ``FollowerHost`` s when a replica spans several
+hosts), picks one per sequence by load with prefix-cache affinity, and turns each replica's single
+output channel back into one stream per sequence. It speaks token ids; text is the ingress's
+business.
+
+Ray programs reach it through a deployment handle::
+
+    router = serve.get_deployment_handle("Router", app_name="meshserve")
+    completion = await router.generate.remote(spec)                  # a Completion
+    async for batch in router.options(stream=True).generate_stream.remote(spec):
+        ...                                                          # lists of TokenDelta
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -17,12 +25,14 @@ from dataclasses import asdict, dataclass, field
 
 from ray import serve
 
-from meshserve.actors.host import GenerateSpec, HostInfo
+from meshserve.actors.host import Completion, GenerateSpec, HostInfo
 from meshserve.actors.replica import ReplicaGroup, start_replicas
+from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 from meshserve.engine.engine import TokenDelta
 
 logger = logging.getLogger("meshserve.router")
+bind_serve_grpc_to_node_ip()
 
 AFFINITY_BLOCKS = 4  # prompts sharing this many leading KV blocks are steered together
 AFFINITY_SLACK = 2.0  # ...unless that replica carries more than this times the lightest load
@@ -52,9 +62,11 @@ class Router:
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
         self.channel = f"router-{uuid.uuid4().hex[:8]}"
-        self.replicas = [ReplicaState(group, i) for i, group in
-                         enumerate(start_replicas(settings))]
+        # The placement groups share this actor's fate: they go (with the hosts) when it does.
+        self.placement, groups = start_replicas(settings)
+        self.replicas = [ReplicaState(group, i) for i, group in enumerate(groups)]
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
+        self._turn = itertools.count()  # rotates ties, so idle replicas take turns
         self._in_flight = 0
         self._info: HostInfo | None = None
         self._ready = asyncio.Event()
@@ -84,19 +96,35 @@ class Router:
         return self._info
 
     async def stats(self) -> dict:
-        per_replica = await asyncio.gather(*(r.group.stats() for r in self.replicas
-                                             if r.healthy), return_exceptions=True)
-        engines = [s for s in per_replica if not isinstance(s, BaseException)]
+        """Router counters and, per replica in order, its hosts' nodes, load and engine stats."""
+        async def engine_stats(replica: ReplicaState) -> dict | None:
+            if not replica.healthy:
+                return None
+            try:
+                return asdict(await replica.group.stats())
+            except Exception:  # noqa: BLE001 - died since; its pump marks it unhealthy
+                return None
+
+        engines = await asyncio.gather(*(engine_stats(r) for r in self.replicas))
         return {
             "in_flight": self._in_flight,
             "replicas": len(self.replicas),
             "healthy_replicas": sum(r.healthy for r in self.replicas),
-            "engines": [asdict(s) for s in engines],
-            "node_ids": [r.group.node_ids for r in self.replicas],
+            "placement": self.placement.mode,
+            "engines": [e for e in engines if e is not None],
+            "replica_states": [
+                {"healthy": r.healthy, "node_ids": r.group.node_ids, "load_tokens": r.load_tokens,
+                 "sequences": len(r.streams), "engine": e}
+                for r, e in zip(self.replicas, engines)],
         }
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
+    async def generate(self, spec: GenerateSpec) -> Completion:
+        """Generate one sequence to the end."""
+        deltas = [d async for batch in self.generate_stream(spec) for d in batch]
+        return Completion.from_deltas(spec.request_id, deltas)
+
+    async def generate_stream(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         """Stream the token deltas of one sequence; the last one carries a finish reason."""
         await self.info()
         if self._in_flight >= self.settings.max_queued_requests:
@@ -138,7 +166,8 @@ class Router:
         healthy = [r for r in self.replicas if r.healthy]
         if not healthy:
             raise RuntimeError("no healthy replica")
-        lightest = min(healthy, key=lambda r: r.load_tokens)
+        turn, count = next(self._turn), len(self.replicas)
+        lightest = min(healthy, key=lambda r: (r.load_tokens, (r.index - turn) % count))
         key = self._prefix_key(spec.prompt_token_ids)
         if key is None:
             return lightest

@@ -26,7 +26,7 @@ class ServeSettings:
     enable_prefix_caching: bool = True
     compile_cache_dir: str | None = None
     seed: int = 0
-    # CPUs each host actor reserves from Ray (a TPU host's actor reserves its chips instead).
+    # CPUs each host actor reserves from Ray (on a TPU slice it also reserves its host's chips).
     host_num_cpus: float = 1.0
     max_queued_requests: int = 512  # past this the router answers 429
     max_body_bytes: int = 4 * 2**20
