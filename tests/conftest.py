@@ -67,13 +67,23 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int,
     return results
 
 
+_server_failures: dict[str, BaseException] = {}
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):
     """``meshserve serve`` on the tiny Llama, shared by the HTTP test modules."""
     from tests.server import start_server
 
+    # pytest retries a failed session fixture for every test that uses it; fail fast instead.
+    if "tiny" in _server_failures:
+        raise _server_failures["tiny"]
     log = tmp_path_factory.mktemp("logs") / "serve-tiny.log"
-    server = start_server(["--model", tiny_llama_dir, "--num-kv-blocks", "400",
-                           "--max-model-len", "512", "--max-queued-requests", "256"], log)
+    try:
+        server = start_server(["--model", tiny_llama_dir, "--num-kv-blocks", "400",
+                               "--max-model-len", "512", "--max-queued-requests", "256"], log)
+    except RuntimeError as exc:
+        _server_failures["tiny"] = exc
+        raise
     yield server
     server.stop()

@@ -42,6 +42,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require this bearer token on /v1 routes (or set MESHSERVE_API_KEY)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM")
     p.set_defaults(func=run_serve)
 
 
@@ -95,10 +97,30 @@ def run_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print("meshserve: shutting down", flush=True)
+    drain(args.drain_timeout)
     serve.shutdown()
     ray.shutdown()
     return 0
+
+
+def drain(timeout_s: float) -> None:
+    """Stop taking requests, finish or cancel in-flight ones, and check every block is free."""
+    from ray import serve
+
+    print(f"meshserve: draining (up to {timeout_s:.0f}s)...", flush=True)
+    ingress = serve.get_deployment_handle("OpenAIIngress", app_name="meshserve")
+    router = serve.get_deployment_handle("Router", app_name="meshserve")
+    report = ingress.drain.remote(timeout_s).result()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engines = router.stats.remote().result()["engines"]
+        free = sum(e["num_free_blocks"] for e in engines)
+        total = sum(e["num_total_blocks"] for e in engines)
+        if free == total:
+            break
+        time.sleep(0.1)
+    print(f"meshserve: drained: {report['finished']} finished, {report['cancelled']} cancelled; "
+          f"{free}/{total} KV blocks free", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

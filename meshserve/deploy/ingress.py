@@ -7,9 +7,11 @@ OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad input is
 """
 
 # No "from __future__ import annotations": FastAPI must see real types on the route methods.
+import asyncio
 import hmac
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,13 +26,16 @@ from meshserve.deploy.metrics import ServingMetrics
 from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                        ModelList, now)
 from meshserve.deploy.router import RequestRejected, RouterOverloaded
+from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 from meshserve.engine.request import SamplingParams
 from meshserve.runner.loader import load_tokenizer
 
 logger = logging.getLogger("meshserve.ingress")
+bind_serve_grpc_to_node_ip()
 
 app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
+_UNION_TAG = re.compile(r"str|int|float|bool|[a-z_-]+\[.*\]|function-.*")
 
 
 class APIError(Exception):
@@ -55,7 +60,9 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Drop "body" and the union-branch tags pydantic adds ("str", "list[int]"): the param is a field.
+    location = [str(p) for p in first.get("loc", ())
+                if p != "body" and not _UNION_TAG.fullmatch(str(p))]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return error_response(400, "the request body is not valid JSON", None)
@@ -88,6 +95,8 @@ class OpenAIIngress:
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
         self._info = None
+        self._active: set[ChoiceRunner] = set()
+        self._draining = False
 
     # ------------------------------------------------------------------ plumbing
     async def _model_info(self):
@@ -150,6 +159,16 @@ class OpenAIIngress:
             raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
     async def _run(self, runner: ChoiceRunner, stream_fn, final_fn, stream: bool):
+        if self._draining:
+            raise APIError(503, "the server is shutting down", kind="service_unavailable")
+        self._active.add(runner)
+        try:
+            await runner.start()
+        except Exception as exc:
+            self._active.discard(runner)
+            error = self._translate(exc)
+            self.metrics.requests.labels(status=str(error.status)).inc()
+            raise error from None
         self.metrics.started()
         if stream:
             return StreamingResponse(self._sse(runner, stream_fn), media_type="text/event-stream")
@@ -159,6 +178,8 @@ class OpenAIIngress:
         except Exception as exc:
             self.metrics.finished(runner, "error")
             raise self._translate(exc) from None
+        finally:
+            self._active.discard(runner)
         self.metrics.finished(runner, "ok")
         return JSONResponse(final_fn(runner).model_dump(exclude_none=False))
 
@@ -175,9 +196,26 @@ class OpenAIIngress:
                               "code": err.status}}
             yield f"data: {json.dumps(body)}\n\n"
         finally:
+            self._active.discard(runner)
             self.metrics.finished(runner, status)
         if status != "cancelled":
             yield "data: [DONE]\n\n"
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Graceful shutdown: refuse new requests, let in-flight ones finish for up to
+        ``timeout_s``, then end the rest with an error event. Returns what happened."""
+        self._draining = True
+        in_flight = len(self._active)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        cancelled = len(self._active)
+        for runner in list(self._active):
+            runner.interrupt(APIError(503, "the server is shutting down",
+                                      kind="service_unavailable"))
+        while self._active:  # interrupted requests unwind (and abort their sequences) quickly
+            await asyncio.sleep(0.05)
+        return {"in_flight": in_flight, "finished": in_flight - cancelled, "cancelled": cancelled}
 
     def _translate(self, exc: Exception) -> APIError:
         if isinstance(exc, APIError):
@@ -194,7 +232,7 @@ class OpenAIIngress:
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self) -> Response:
-        ready = await self.router.ready.remote()
+        ready = not self._draining and await self.router.ready.remote()
         return Response(status_code=200 if ready else 503)
 
     @app.get("/metrics")
