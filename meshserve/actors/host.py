@@ -77,6 +77,7 @@ class HostInfo:
     num_total_blocks: int
     block_size: int
     tpu_env: dict[str, str] = field(default_factory=dict)  # the TPU runtime variables it runs with
+    pid: int = 0  # the actor's process, for operators (and fault-injection tests)
 
 
 class HostError(RuntimeError):
@@ -103,7 +104,7 @@ class EngineHost:
         tpu_env = {name: os.environ[name] for name in TPU_ENV_VARS if name in os.environ}
         return HostInfo(self.node_id, self.host_index, e.loaded.name, e.max_model_len,
                         e.loaded.config.vocab_size, e.block_manager.num_total_blocks,
-                        e.config.cache.block_size, tpu_env)
+                        e.config.cache.block_size, tpu_env, os.getpid())
 
 
 class HostActor(EngineHost):

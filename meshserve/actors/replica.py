@@ -27,12 +27,14 @@ class ReplicaGroup:
         self.followers = list(followers)
         self.hosts = [lead, *self.followers]
         self.node_ids: list[str] = []
+        self.pids: list[int] = []
 
     async def ready(self) -> HostInfo:
         """Wait until every host has loaded; check they agree; return the lead's info."""
         infos: list[HostInfo] = await asyncio.gather(*(h.info.remote() for h in self.hosts))
         check_agreement(infos)
         self.node_ids = [info.node_id for info in infos]
+        self.pids = [info.pid for info in infos]
         return infos[0]
 
     async def submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:

@@ -35,6 +35,9 @@ class ServingMetrics:
                               registry=r)
         self.free_blocks = Gauge("meshserve_kv_cache_free_blocks", "Free KV blocks", registry=r)
         self.total_blocks = Gauge("meshserve_kv_cache_total_blocks", "All KV blocks", registry=r)
+        self.replicas = Gauge("meshserve_replicas", "Replicas configured", registry=r)
+        self.healthy_replicas = Gauge("meshserve_healthy_replicas", "Replicas serving now",
+                                      registry=r)
         self.prefix_hits = Gauge("meshserve_prefix_cache_hit_tokens", "Prompt tokens served "
                                  "from the prefix cache", registry=r)
 
@@ -57,6 +60,8 @@ class ServingMetrics:
 
     def render(self, router_stats: dict | None) -> bytes:
         if router_stats is not None:
+            self.replicas.set(router_stats["replicas"])
+            self.healthy_replicas.set(router_stats["healthy_replicas"])
             engines = router_stats["engines"]
             self.running.set(sum(e["num_running"] for e in engines))
             self.waiting.set(sum(e["num_waiting"] for e in engines))

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from ray import serve
 
 from meshserve.actors.host import Completion, GenerateSpec, HostInfo
-from meshserve.actors.replica import ReplicaGroup, start_replicas
+from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 from meshserve.engine.engine import TokenDelta
@@ -46,6 +46,10 @@ class RequestRejected(ValueError):
     """A host refused a request as invalid (the message says why)."""
 
 
+class ReplicaFailed(RuntimeError):
+    """The replica serving a sequence died; a sequence that had produced nothing is retried."""
+
+
 @dataclass
 class ReplicaState:
     group: ReplicaGroup
@@ -54,6 +58,7 @@ class ReplicaState:
     load_tokens: int = 0  # tokens still owed by sequences in flight
     healthy: bool = True
     pump: asyncio.Task | None = None
+    restarts: int = 0
 
 
 class Router:
@@ -64,6 +69,7 @@ class Router:
         self.channel = f"router-{uuid.uuid4().hex[:8]}"
         # The placement groups share this actor's fate: they go (with the hosts) when it does.
         self.placement, groups = start_replicas(settings)
+        self._engine_config = settings.engine_config()
         self.replicas = [ReplicaState(group, i) for i, group in enumerate(groups)]
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
         self._turn = itertools.count()  # rotates ties, so idle replicas take turns
@@ -114,7 +120,8 @@ class Router:
             "engines": [e for e in engines if e is not None],
             "replica_states": [
                 {"healthy": r.healthy, "node_ids": r.group.node_ids, "load_tokens": r.load_tokens,
-                 "sequences": len(r.streams), "engine": e}
+                 "sequences": len(r.streams), "restarts": r.restarts, "pids": r.group.pids,
+                 "engine": e}
                 for r, e in zip(self.replicas, engines)],
         }
 
@@ -125,19 +132,42 @@ class Router:
         return Completion.from_deltas(spec.request_id, deltas)
 
     async def generate_stream(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
-        """Stream the token deltas of one sequence; the last one carries a finish reason."""
+        """Stream the token deltas of one sequence; the last one carries a finish reason.
+
+        If its replica dies before the sequence produced a token, it is retried on another
+        healthy replica; after that, the failure is raised to the caller.
+        """
         await self.info()
         if self._in_flight >= self.settings.max_queued_requests:
             raise RouterOverloaded(f"{self._in_flight} requests in flight")
-        replica = self._pick(spec)
+        self._in_flight += 1
+        try:
+            for attempt in range(len(self.replicas)):
+                produced = False
+                try:
+                    async for batch in self._run_on(self._pick(spec), spec):
+                        produced = True
+                        yield batch
+                    return
+                except ReplicaFailed:
+                    if produced or attempt == len(self.replicas) - 1:
+                        raise
+                    logger.warning("retrying %s on another replica", spec.request_id)
+        finally:
+            self._in_flight -= 1
+
+    async def _run_on(self, replica: ReplicaState,
+                      spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         cost = len(spec.prompt_token_ids) + spec.params.max_tokens
         stream: asyncio.Queue = asyncio.Queue()
         replica.streams[spec.request_id] = stream
         replica.load_tokens += cost
-        self._in_flight += 1
         finished = False
         try:
-            errors = await replica.group.submit(self.channel, [spec])
+            try:
+                errors = await replica.group.submit(self.channel, [spec])
+            except Exception as exc:  # noqa: BLE001 - the lead is gone (RayActorError & co.)
+                raise ReplicaFailed(f"replica {replica.index} is unavailable: {exc}") from None
             if errors[0] is not None:
                 raise RequestRejected(errors[0])
             while not finished:
@@ -152,8 +182,7 @@ class Router:
         finally:
             replica.streams.pop(spec.request_id, None)
             replica.load_tokens -= cost
-            self._in_flight -= 1
-            if not finished:  # client went away, or an error: free the KV blocks now
+            if not finished and replica.healthy:  # client went away or an error: free blocks now
                 replica.group.abort([spec.request_id])
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -195,11 +224,33 @@ class Router:
                     stream = replica.streams.get(delta.request_id)
                     if stream is not None:
                         stream.put_nowait(delta)
-        except Exception as exc:  # the replica died: fail its sequences instead of hanging
-            logger.error("replica %d failed: %r", replica.index, exc)
+            raise ReplicaFailed("its output channel closed")
+        except Exception as exc:  # noqa: BLE001 - the replica died: fail its sequences, restart
+            logger.error("replica %d failed: %r; restarting it", replica.index, exc)
             replica.healthy = False
+            failure = ReplicaFailed(f"replica {replica.index} failed: {exc}")
             for stream in replica.streams.values():
-                stream.put_nowait(RuntimeError(f"replica {replica.index} failed: {exc}"))
+                stream.put_nowait(failure)
+            asyncio.get_running_loop().create_task(self._restart(replica))
+
+    async def _restart(self, replica: ReplicaState) -> None:
+        """Replace a failed replica's actors in the same placement slots, then serve again."""
+        replica.group.kill()
+        slots = self.placement.replicas[replica.index]
+        while True:
+            group = start_replica(slots, self._engine_config)
+            try:
+                await group.ready()
+                break
+            except Exception as exc:  # noqa: BLE001 - keep trying; the replica stays out of service
+                logger.error("restarting replica %d failed: %r", replica.index, exc)
+                group.kill()
+                await asyncio.sleep(1.0)
+        replica.group = group
+        replica.restarts += 1
+        replica.healthy = True
+        replica.pump = asyncio.get_running_loop().create_task(self._pump(replica))
+        logger.info("replica %d restarted (%d restarts)", replica.index, replica.restarts)
 
 
 RouterDeployment = serve.deployment(
