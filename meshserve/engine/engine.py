@@ -65,7 +65,7 @@ class EngineCore:
         self.config = config
         dtype = resolve_dtype(config.dtype)
         self.loaded = loaded or load_model(config.model, dtype=dtype)
-        self.backend = create_backend(config.device)
+        self.backend = create_backend(config.device, config.parallel, config.compile_cache_dir)
         num_blocks, self.max_model_len = self._size_kv_cache(dtype)
         sched = replace(config.scheduler, max_model_len=self.max_model_len)
         self.runner = ModelRunner(
@@ -73,6 +73,7 @@ class EngineCore:
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=self.max_model_len, bucket_gap=sched.bucket_gap, seed=config.seed)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.warm_up()  # compiles every graph on XLA, so serving never does
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
@@ -95,7 +96,8 @@ class EngineCore:
             num_blocks = cache.num_blocks
         else:
             budget = psutil.virtual_memory().available * cache.memory_fraction
-            fits = int(budget // kv_bytes_per_block(self.loaded.config, block_size, dtype))
+            fits = int(budget // kv_bytes_per_block(self.loaded.config, block_size, dtype,
+                                                    self.config.parallel.tensor_parallel_size))
             # No use holding more than every sequence at full length (+1 for the null block).
             num_blocks = min(fits, sched.max_num_seqs * -(-wanted_len // block_size) + 1)
         capacity = (num_blocks - 1) * block_size

@@ -26,6 +26,13 @@ def request_buckets(max_requests: int, start: int = 8) -> list[int]:
     return buckets
 
 
+def reachable_request_buckets(requests: list[int], tokens: int) -> list[int]:
+    """The request buckets a step of at most ``tokens`` tokens can fill: each request brings at
+    least one token, so a bucket whose predecessor already holds ``tokens`` requests is out."""
+    previous = [0] + requests[:-1]
+    return [bucket for low, bucket in zip(previous, requests) if low < tokens]
+
+
 def pick_bucket(buckets: list[int], count: int) -> int:
     """The first bucket >= count."""
     index = bisect.bisect_left(buckets, count)

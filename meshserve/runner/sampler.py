@@ -5,6 +5,10 @@ keyed by the request's seed and token index; the sampler turns it into a token b
 CDF of the filtered distribution. So a seeded request gets the same tokens whatever shares its
 batch, across preemptions and chunked prefills, on every backend, and the sampling graph holds no
 random-number state a compiler would have to track.
+
+A compiling backend runs the general path (penalties and min-p always, a fixed number of
+logprobs), so only the rank filters and logprobs multiply its sampler graphs. Neutral values
+(top_k=0, top_p=1, min_p=0, no penalty) leave every token as the flag-free path picks it.
 """
 
 from __future__ import annotations
@@ -69,31 +73,29 @@ def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> Sampl
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
-    scaled = logits / temperature[:, None]
+    probs = (logits / temperature[:, None]).softmax(dim=-1)  # [R, V]
     if t.use_top_k or t.use_top_p:
-        # Filters that depend on rank work on the sorted distribution.
-        scaled, order = scaled.sort(dim=-1, descending=True)
+        # Rank-based filters are decided on the sorted distribution but applied in vocabulary
+        # order: the CDF a draw is inverted against keeps one order whichever filters are on, so
+        # a neutral filter (top_k=0, top_p=1) never changes a seeded token.
+        ranked, order = probs.sort(dim=-1, descending=True)
+        cut = torch.zeros_like(ranked, dtype=torch.bool)
         if t.use_top_k:
-            rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
-            cut = (rank >= t.top_k[:, None]) & (t.top_k[:, None] > 0)
-            scaled = scaled.masked_fill(cut, float("-inf"))
-        probs = scaled.softmax(dim=-1)
+            rank = torch.arange(ranked.shape[1], device=ranked.device)[None, :]
+            cut |= (rank >= t.top_k[:, None]) & (t.top_k[:, None] > 0)
         if t.use_top_p:
-            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-            cut = (before >= t.top_p[:, None]) & (t.top_p[:, None] < 1.0)
-            probs = probs.masked_fill(cut, 0.0)
-    else:
-        order = None
-        probs = scaled.softmax(dim=-1)
+            kept = ranked.masked_fill(cut, 0.0)
+            before = kept.cumsum(dim=-1) - kept  # mass strictly ahead of each token
+            cut |= (before >= t.top_p[:, None] * kept.sum(dim=-1, keepdim=True)) & (
+                t.top_p[:, None] < 1.0)
+        probs = probs.masked_fill(torch.zeros_like(cut).scatter_(1, order, cut), 0.0)
     if t.use_min_p:
         floor = t.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     cdf = probs.cumsum(dim=-1)  # [R, V]
     target = (t.uniform * cdf[:, -1])[:, None]
-    choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
-    if order is not None:
-        choice = order.gather(1, choice)
-    return choice.squeeze(1)
+    # The first token whose CDF exceeds the target; a count, so XLA needs no searchsorted.
+    return (cdf <= target).sum(dim=-1).clamp_(max=cdf.shape[1] - 1)
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:

@@ -1,16 +1,29 @@
 """Where the runner's tensors live: eager torch on the CPU, or torch_xla (TPU, or PJRT CPU).
 
-The runner asks the backend three things: which device to put tensors on, whether shapes must be
-static (a compiling backend pads every step to a bucket), and how to end a step (``sync`` cuts
-and runs the lazy XLA graph). Nothing else in meshserve imports torch_xla directly.
+The runner asks the backend four things: which device to put tensors on, how to place a tensor
+there (whole, or split over the mesh), whether shapes must be static (a compiling backend pads
+every step to a bucket), and how to end a compiled piece (``sync`` cuts the lazy XLA graph traced
+so far, compiles it on first sight and runs it). Only this module starts torch_xla's runtime; the
+one other torch_xla import is the Pallas kernel in ``runner/attention.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from meshserve.config import ParallelConfig
+from meshserve.spmd.mesh import build_mesh
+from meshserve.spmd.sharding import PartitionSpec
+
+if TYPE_CHECKING:
+    from torch_xla.distributed.spmd import Mesh
+
+logger = logging.getLogger("meshserve.backend")
 
 
 @dataclass(frozen=True)
@@ -19,12 +32,56 @@ class Backend:
     device: torch.device
     static_shapes: bool
     on_tpu: bool = False
+    mesh: "Mesh | None" = None  # set when the replica spans several devices (SPMD)
 
     def sync(self) -> None:
         if self.name == "xla":
             import torch_xla
 
             torch_xla.sync()
+
+    def to_device(self, tensor: torch.Tensor, spec: PartitionSpec | None = None) -> torch.Tensor:
+        """Copy a CPU tensor over, split by ``spec`` when there is a mesh, else whole."""
+        if self.mesh is None or spec is None:
+            return tensor.to(self.device)
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+
+        if tensor.ndim > 1:
+            # Sent shard by shard: a whole copy of a large weight never lands on every device.
+            return xm.send_cpu_data_to_device(tensor, self.device,
+                                              input_sharding=xs.ShardingSpec(self.mesh, spec))[0]
+        # torch_xla 2.9's ShardingSpec fails on 1-D tensors; those are small (biases, step
+        # inputs), so they are copied whole and then re-split.
+        placed = tensor.to(self.device)
+        xs.mark_sharding(placed, self.mesh, spec)
+        return placed
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
+              spec: PartitionSpec | None = None) -> torch.Tensor:
+        """A zero tensor created on the device (no host copy), split by ``spec`` on a mesh."""
+        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.mesh is not None and spec is not None:
+            import torch_xla.distributed.spmd as xs
+
+            xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Ask for ``tensor`` whole on every device (an all-gather where it was split)."""
+        if self.mesh is not None:
+            import torch_xla.distributed.spmd as xs
+
+            xs.mark_sharding(tensor, self.mesh, (None,) * tensor.ndim)
+        return tensor
+
+    def num_compiled_graphs(self) -> int:
+        """Graphs in torch_xla's compilation cache (0 on the eager backend)."""
+        if self.name != "xla":
+            return 0
+        import torch_xla.runtime as xr
+
+        return xr.get_num_cached_compilation_graph()
 
 
 def tpu_present() -> bool:
@@ -45,8 +102,51 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def create_backend(device: str) -> Backend:
+def create_backend(device: str, parallel: ParallelConfig | None = None,
+                   compile_cache_dir: str | None = None) -> Backend:
+    parallel = parallel or ParallelConfig()
     name = resolve_device(device)
     if name == "cpu":
+        if parallel.world_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size x data_parallel_size = {parallel.world_size} needs "
+                "device='xla'; the cpu backend runs one unsharded model")
         return Backend("cpu", torch.device("cpu"), static_shapes=False)
-    raise NotImplementedError("device='xla' is not available yet; use device='cpu'")
+    return _create_xla_backend(parallel, compile_cache_dir)
+
+
+def _create_xla_backend(parallel: ParallelConfig, compile_cache_dir: str | None) -> Backend:
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if compile_cache_dir is not None:
+        _initialize_compile_cache(compile_cache_dir)
+    if parallel.world_size > 1:
+        # Before any tensor exists: SPMD turns the devices into one virtual device.
+        xr.use_spmd()
+    mesh = build_mesh(parallel, xr.global_runtime_device_count())
+    on_tpu = xr.device_type() == "TPU"
+    return Backend("xla", torch_xla.device(), static_shapes=True, on_tpu=on_tpu, mesh=mesh)
+
+
+def _initialize_compile_cache(path: str) -> None:
+    """Point torch_xla's persistent compilation cache at ``path`` (once per process).
+
+    It must happen before the first computation; a second engine in the same process may ask for
+    the same folder again, but not for another one.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    path = os.path.abspath(path)
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        current = os.environ.get("XLA_PERSISTENT_CACHE_PATH")
+        if current != path:
+            raise RuntimeError(
+                f"compile_cache_dir: {path!r} requested after torch_xla started computing with "
+                f"{'no persistent cache' if current is None else repr(current)}; set it before "
+                "the first engine of the process starts")
+        return
+    os.makedirs(path, exist_ok=True)
+    xr.initialize_cache(path, readonly=False)
+    logger.info("persistent XLA compilation cache at %s", path)

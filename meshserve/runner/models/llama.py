@@ -2,19 +2,20 @@
 
 Parameter names equal Hugging Face's, so a loaded state dict maps one to one. The model works on a
 flat batch of tokens from many requests (``[num_tokens, hidden]``); which token belongs to which
-request is only known to attention, through ``AttentionMetadata``.
+request is only known to attention, through the step's metadata, which each layer hands to the
+attention implementation chosen for the backend (``runner/attention.py``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshserve.config import ModelConfig
-from meshserve.runner.attention import AttentionMetadata, torch_paged_attention, write_kv
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from meshserve.runner.attention import AttentionBackend, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -72,8 +73,9 @@ def _fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, impl: AttentionBackend) -> None:
         super().__init__()
+        self.impl = impl
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -97,14 +99,13 @@ class Attention(nn.Module):
         return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: Any) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self._project(x)
         q = apply_rotary(q.view(tokens, -1, self.head_dim), angles)  # [T, H, D]
         k = apply_rotary(k.view(tokens, -1, self.head_dim), angles)  # [T, Hkv, D]
         v = v.view(tokens, -1, self.head_dim)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = torch_paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.impl.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -129,40 +130,41 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attention)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: Any) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attention)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` gives hidden states of every token; ``compute_logits`` only of those asked."""
 
-    def __init__(self, config: ModelConfig, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: Rotary, attention: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = Backbone(config, attention)
         self.rotary = rotary
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: Any) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         angles = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -1,0 +1,290 @@
+"""device="xla" on torch_xla's PJRT CPU client: tokens, shardings and compile discipline.
+
+Each group runs in a child process (this module run as ``python -m``), because the number of
+virtual devices (``CPU_NUM_DEVICES``) is fixed when torch_xla starts and SPMD needs a mesh over all
+of them. The parent computes the cpu backend's tokens as the reference and checks what the child
+reports: tokens, the sharding torch_xla records for every weight and KV cache tensor, compiled-graph
+counts and fallback ops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
+              num_kv_blocks=160)
+MAX_TOKENS = 16
+
+
+def prompts(count: int = 8, seed: int = 1, max_len: int = 120) -> list[list[int]]:
+    """Lengths spread over 1..max_len: short decodes beside prefills chunked at 64 tokens."""
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(1, max_len, count).astype(int)
+    return [rng.integers(100, 40000, size=n).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------- the child
+def _child_greedy(job: dict) -> dict:
+    import torch_xla
+
+    from meshserve import LLM, SamplingParams
+    from meshserve.config import ParallelConfig
+
+    llm = LLM(job["model"], device="xla", compile_cache_dir=job.get("cache_dir"),
+              parallel=ParallelConfig(job["tp"], job["dp"]), **ENGINE)
+    runner = llm.engine.runner
+    spec = torch_xla._XLAC._get_xla_sharding_spec
+    warm = runner.backend.num_compiled_graphs()
+    outs = llm.generate(job["prompts"], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "weights": {name: spec(p) for name, p in runner.model.named_parameters()},
+        "kv_cache": [spec(t) for layer in runner.kv_caches for t in layer],
+        "kv_shape": list(runner.kv_caches[0][0].shape),
+        "graphs_after_warm_up": warm,
+        "graphs_after_run": runner.backend.num_compiled_graphs(),
+    }
+
+
+def _child_workload(job: dict) -> dict:
+    """Random traffic after warm-up: the compiled-graph count must not move."""
+    from meshserve import LLM
+    from meshserve.config import ParallelConfig
+    from meshserve.engine.request import SamplingParams
+
+    llm = LLM(job["model"], device="xla", enable_prefix_caching=True,
+              parallel=ParallelConfig(job["tp"], job["dp"]),
+              # Two request buckets (8, 16); room for ~2.5 full-length requests: preemption.
+              **{**ENGINE, "max_num_seqs": 16, "num_kv_blocks": 40})
+    engine, rng = llm.engine, np.random.default_rng(7)
+    before = engine.backend.num_compiled_graphs()
+    waiting = [_random_request(rng, i) for i in range(24)]
+    steps = 0
+    while waiting or engine.has_unfinished:
+        if waiting and (not engine.has_unfinished or rng.random() < 0.4):
+            for _ in range(int(rng.integers(1, 4))):  # arrivals while others run
+                if waiting:
+                    engine.add_request(*waiting.pop())
+        if steps == 5:
+            engine.add_request("dropped", list(range(500, 560)), SamplingParams(max_tokens=50))
+        if steps == 9:
+            engine.abort("dropped")
+        engine.step()
+        steps += 1
+    return {"graphs_before": before, "graphs_after": engine.backend.num_compiled_graphs(),
+            "steps": steps, "preemptions": engine.scheduler.num_preemptions}
+
+
+def _random_request(rng: np.random.Generator, index: int) -> tuple:
+    from meshserve.engine.request import SamplingParams
+
+    length = int(rng.integers(1, 200))
+    params = SamplingParams(
+        temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.choice([0, 0, 5, 50])),
+        top_p=float(rng.choice([1.0, 1.0, 0.9])), min_p=float(rng.choice([0.0, 0.1])),
+        presence_penalty=float(rng.choice([0.0, 0.5])),
+        repetition_penalty=float(rng.choice([1.0, 1.2])),
+        seed=None if rng.random() < 0.5 else index,
+        logprobs=[None, None, 0, 3, 20][int(rng.integers(5))],
+        max_tokens=int(rng.integers(2, 24)), ignore_eos=True)
+    return (f"r{index}", rng.integers(100, 40000, size=length).tolist(), params)
+
+
+def _child_main() -> None:
+    import logging
+
+    import torch_xla.debug.metrics as met
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    lines: list[str] = []
+    logging.getLogger("meshserve").addHandler(Lines())
+    logging.getLogger("meshserve").setLevel(logging.INFO)
+    kinds = {"greedy": _child_greedy, "workload": _child_workload}
+    results = [kinds[job["kind"]](job) for job in json.loads(sys.stdin.read())]
+    print(json.dumps({"results": results, "fallback_ops": met.executed_fallback_ops(),
+                      "counters": {n: met.counter_value(n) for n in met.counter_names()},
+                      "log": lines}))
+
+
+# ---------------------------------------------------------------------------------- the parent
+def run_child(devices: int, jobs: list[dict]) -> dict:
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-m", "tests.test_xla_engine"], input=json.dumps(jobs),
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["fallback_ops"] == []  # every op lowered to XLA: no hidden CPU round trips
+    return report
+
+
+def cpu_tokens(model: str, batch: list[list[int]]) -> list[list[int]]:
+    from meshserve import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu", **ENGINE)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS))]
+
+
+def build_wide_llama(folder: str) -> str:
+    """8 query heads over 2 KV heads, so tensor parallelism of 8 splits whole query heads."""
+    import torch
+    import transformers
+
+    from tests.tiny_models import smollm2_tokenizer
+
+    tok = smollm2_tokenizer()
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_wide_llama(str(tmp_path_factory.mktemp("wide-llama")))
+
+
+def greedy_job(model: str, tp: int, dp: int = 1, **extra) -> dict:
+    return {"kind": "greedy", "model": model, "tp": tp, "dp": dp, "prompts": prompts(), **extra}
+
+
+def tiles(spec: str) -> tuple[list[int], bool]:
+    """The tile shape of an HLO sharding string, and whether its last tile dim is replication."""
+    if spec in ("", "{replicated}"):
+        return [], False
+    match = re.match(r"\{devices=\[([\d,]+)\]", spec)
+    assert match, spec
+    return [int(d) for d in match.group(1).split(",")], "last_tile_dim_replicate" in spec
+
+
+def expected_weight_tiles(name: str, ndim: int, tp: int) -> list[int]:
+    """Megatron: column-parallel by output rows, row-parallel by input columns, vocab by rows."""
+    module = name.split(".")[-2]
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens",
+                  "lm_head"):
+        return [tp] + [1] * (ndim - 1)
+    if module in ("o_proj", "down_proj"):
+        return [1, tp]
+    return []  # norms stay whole
+
+
+def assert_partitioned(result: dict, tp: int, dp: int, kv_heads: int) -> None:
+    for name, spec in result["weights"].items():
+        ndim = 1 if name.endswith("bias") or "norm" in name else 2
+        want = expected_weight_tiles(name, ndim, tp)
+        got, replicated = tiles(spec)
+        if not want:
+            assert got == [], (name, spec)
+            continue
+        assert got == (want + [dp] if dp > 1 else want), (name, spec)
+        assert replicated == (dp > 1), (name, spec)  # whole copies across the data axis
+    for spec in result["kv_cache"]:
+        got, _ = tiles(spec)
+        assert got == ([1, 1, tp, 1] + ([dp] if dp > 1 else [])), spec
+    heads = math.lcm(kv_heads, tp)  # KV heads repeated until every shard holds whole heads
+    assert result["kv_shape"][2] == heads
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tiny_llama_dir: str, wide_llama_dir: str) -> dict:
+    return run_child(8, [greedy_job(wide_llama_dir, tp=8), greedy_job(tiny_llama_dir, tp=4, dp=2),
+                         {"kind": "workload", "model": tiny_llama_dir, "tp": 4, "dp": 2}])
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama_dir: str) -> list[list[int]]:
+    return cpu_tokens(tiny_llama_dir, prompts())
+
+
+def test_single_device_llama_and_mistral_equal_cpu(tiny_llama_dir: str, tiny_mistral_dir: str,
+                                                   llama_reference) -> None:
+    report = run_child(1, [greedy_job(tiny_llama_dir, tp=1), greedy_job(tiny_mistral_dir, tp=1)])
+    llama, mistral = report["results"]
+    assert llama["tokens"] == llama_reference
+    # The longest prompt plus its tokens crosses Mistral's 128-token sliding window.
+    assert mistral["tokens"] == cpu_tokens(tiny_mistral_dir, prompts())
+    for result in (llama, mistral):
+        assert result["graphs_after_run"] == result["graphs_after_warm_up"]
+    progress = [line for line in report["log"] if line.startswith("compiling graph ")]
+    total = int(progress[0].split("/")[1].split(":")[0])
+    assert [line.split(":")[0] for line in progress[:total]] == [
+        f"compiling graph {i}/{total}" for i in range(1, total + 1)]
+
+
+def test_tensor_parallel_2_with_qkv_biases(tiny_qwen2_dir: str) -> None:
+    result = run_child(2, [greedy_job(tiny_qwen2_dir, tp=2)])["results"][0]
+    assert result["tokens"] == cpu_tokens(tiny_qwen2_dir, prompts())
+    assert_partitioned(result, tp=2, dp=1, kv_heads=2)
+    assert any(name.endswith("q_proj.bias") for name in result["weights"])
+
+
+def test_tensor_parallel_4_repeats_kv_heads(tiny_llama_dir: str, llama_reference) -> None:
+    result = run_child(4, [greedy_job(tiny_llama_dir, tp=4)])["results"][0]
+    assert result["tokens"] == llama_reference
+    assert_partitioned(result, tp=4, dp=1, kv_heads=2)
+
+
+def test_tensor_parallel_8_with_two_kv_heads(wide_llama_dir: str, eight_devices: dict) -> None:
+    result = eight_devices["results"][0]
+    assert result["tokens"] == cpu_tokens(wide_llama_dir, prompts())
+    assert_partitioned(result, tp=8, dp=1, kv_heads=2)
+
+
+def test_data_and_model_axes(eight_devices: dict, llama_reference) -> None:
+    result = eight_devices["results"][1]
+    assert result["tokens"] == llama_reference
+    assert_partitioned(result, tp=4, dp=2, kv_heads=2)
+
+
+def test_random_workload_after_warm_up_compiles_nothing(eight_devices: dict) -> None:
+    result = eight_devices["results"][2]
+    assert result["preemptions"] > 0 and result["steps"] > 30
+    assert result["graphs_after"] == result["graphs_before"]
+
+
+@pytest.fixture(scope="module")
+def cache_runs(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    folder = tmp_path_factory.mktemp("xla-cache")
+    job = greedy_job(tiny_llama_dir, tp=1, cache_dir=str(folder))
+    return folder, run_child(1, [job]), run_child(1, [job])
+
+
+def test_compile_cache_dir_holds_every_warm_up_graph(cache_runs, llama_reference) -> None:
+    folder, first, second = cache_runs
+    warmed = first["results"][0]["graphs_after_warm_up"]
+    assert first["counters"]["PersistentCacheMiss"] == warmed
+    assert len(list(folder.iterdir())) == warmed
+    assert second["results"][0]["tokens"] == llama_reference
+
+
+@pytest.mark.xfail(reason="torch_xla 2.9 writes the persistent cache but cannot deserialize it "
+                          "(pytorch/xla#9094; fix proposed in pytorch/xla#9759)", strict=True)
+def test_restart_loads_graphs_from_compile_cache_dir(cache_runs) -> None:
+    _, first, second = cache_runs
+    assert second["counters"].get("PersistentCacheHit", 0) == \
+        first["results"][0]["graphs_after_warm_up"]
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,177 @@
+"""The XLA path's pieces that need no XLA devices: attention choice and formulations, head
+splits, partition specs, mesh and backend errors. Runs in-process in a few seconds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from meshserve.config import ModelConfig, ParallelConfig
+from meshserve.runner.attention import (PaddedAttention, PallasAttention, StepLayout,
+                                        TorchAttention, select_attention)
+from meshserve.runner.buckets import reachable_request_buckets
+from meshserve.spmd.backend import Backend, create_backend
+from meshserve.spmd.mesh import build_mesh
+from meshserve.spmd.sharding import ShardingPlan, kv_head_copies, plan_sharding, weight_spec
+
+SMOLLM2 = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+    rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+    attention_bias=False, bos_token_id=1, eos_token_ids=(2,))
+
+
+def backend(name: str, on_tpu: bool = False) -> Backend:
+    return Backend(name, torch.device("cpu"), static_shapes=name == "xla", on_tpu=on_tpu)
+
+
+def test_pallas_is_chosen_only_on_a_tpu() -> None:
+    assert isinstance(select_attention(backend("xla", on_tpu=True), SMOLLM2, 16, 8),
+                      PallasAttention)
+    assert isinstance(select_attention(backend("xla"), SMOLLM2, 16, 8), PaddedAttention)
+    assert isinstance(select_attention(backend("cpu"), SMOLLM2, 16, 8), TorchAttention)
+
+
+def test_tensor_parallel_sizes_must_split_whole_query_heads() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 4 .* valid sizes: 1, 3, 9"):
+        kv_head_copies(SMOLLM2, 4)
+    assert kv_head_copies(SMOLLM2, 3) == 1
+    assert kv_head_copies(SMOLLM2, 9) == 3  # 3 KV heads over 9 shards: each repeated 3 times
+    twelve = replace(SMOLLM2, num_attention_heads=12, num_key_value_heads=4)
+    assert kv_head_copies(twelve, 6) == 3  # lcm(4, 6) = 12 heads, two per shard
+    assert kv_head_copies(twelve, 2) == 1
+
+
+def test_repeated_kv_heads_keep_each_query_head_on_its_own_kv_head() -> None:
+    config = replace(SMOLLM2, num_attention_heads=4, num_key_value_heads=2, head_dim=3,
+                     hidden_size=5, attention_bias=True)
+    k = torch.arange(2 * 3 * 5, dtype=torch.float32).view(6, 5)
+    b = torch.arange(6, dtype=torch.float32)
+    plan = ShardingPlan(None, replace(config, num_key_value_heads=4), kv_copies=2)
+    out = plan.weights({"model.layers.0.self_attn.k_proj.weight": k,
+                        "model.layers.0.self_attn.k_proj.bias": b})
+    heads = out["model.layers.0.self_attn.k_proj.weight"].view(4, 3, 5)
+    # Query head i reads KV head i // 1 of the repeated model and i // 2 of the original.
+    for i in range(4):
+        assert torch.equal(heads[i], k.view(2, 3, 5)[i // 2])
+    assert out["model.layers.0.self_attn.k_proj.bias"].tolist() == [0, 1, 2, 0, 1, 2,
+                                                                     3, 4, 5, 3, 4, 5]
+    assert plan_sharding(config, None).kv_copies == 1
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("model.embed_tokens.weight", ("model", None)),
+    ("lm_head.weight", ("model", None)),
+    ("model.layers.3.self_attn.q_proj.weight", ("model", None)),
+    ("model.layers.3.self_attn.k_proj.bias", ("model",)),
+    ("model.layers.3.self_attn.v_proj.weight", ("model", None)),
+    ("model.layers.3.self_attn.o_proj.weight", (None, "model")),
+    ("model.layers.3.mlp.gate_proj.weight", ("model", None)),
+    ("model.layers.3.mlp.up_proj.weight", ("model", None)),
+    ("model.layers.3.mlp.down_proj.weight", (None, "model")),
+    ("model.layers.3.input_layernorm.weight", (None,)),
+    ("model.norm.weight", (None,)),
+])
+def test_megatron_partition_specs(name: str, spec: tuple) -> None:
+    assert weight_spec(name, len(spec)) == spec
+
+
+def test_warm_up_skips_request_buckets_no_step_can_fill() -> None:
+    requests = [8, 16, 32, 64]
+    assert reachable_request_buckets(requests, 16) == [8, 16]  # 9..16 requests in 16 tokens
+    assert reachable_request_buckets(requests, 17) == [8, 16, 32]
+    assert reachable_request_buckets(requests, 4) == [8]
+    assert reachable_request_buckets(requests, 1024) == requests
+
+
+def test_mesh_and_backend_errors() -> None:
+    assert build_mesh(ParallelConfig(), num_devices=8) is None
+    with pytest.raises(ValueError, match="2 x 1 = 2, but the XLA runtime has 8 devices"):
+        build_mesh(ParallelConfig(tensor_parallel_size=2), num_devices=8)
+    with pytest.raises(ValueError, match="needs device='xla'"):
+        create_backend("cpu", ParallelConfig(tensor_parallel_size=2))
+
+
+# ---------------------------------------------------------------------------------- attention
+BLOCK, BLOCKS, HEADS, KV_HEADS, DIM = 4, 32, 4, 2, 16
+
+
+def random_step(seed: int = 0) -> tuple[StepLayout, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor]:
+    """A mixed step (two prefill chunks, two decodes) over a randomly filled paged cache."""
+    rng = np.random.default_rng(seed)
+    q_lens, seq_lens = np.array([5, 1, 3, 1]), np.array([9, 7, 3, 12])
+    tables = np.zeros((4, 8), dtype=np.int32)
+    free = iter(rng.permutation(np.arange(1, BLOCKS)))  # block 0 is the null block
+    for row, length in enumerate(seq_lens):
+        tables[row, :-(-length // BLOCK)] = [next(free) for _ in range(-(-length // BLOCK))]
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    rows = np.repeat(np.arange(4), q_lens)
+    total, padded = int(q_lens.sum()), 16
+    positions = np.zeros(padded, dtype=np.int64)
+    positions[:total] = seq_lens[rows] - q_lens[rows] + np.arange(total) - starts[rows]
+    pos = positions[:total]
+    slots = np.zeros(padded, dtype=np.int64)
+    slots[:total] = tables[rows, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
+    layout = StepLayout(np.zeros(padded, dtype=np.int64), positions, slots, rows, starts,
+                        seq_lens.astype(np.int64), tables)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(padded, HEADS, DIM, generator=gen)
+    k, v = (torch.randn(padded, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    history = torch.randn(2, BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen)
+    return layout, q, k, v, history[0], history[1]
+
+
+def on_cpu(array: np.ndarray, token_major: bool) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_padded_attention_equals_ragged_attention(window: int | None) -> None:
+    layout, q, k, v, k_hist, v_hist = random_step()
+    ragged = TorchAttention(BLOCK, window)
+    want = ragged.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
+                          ragged.metadata(layout, on_cpu), 0.25)
+    padded = PaddedAttention(window)
+    got = padded.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
+                         padded.metadata(layout, on_cpu), 0.25)
+    n = layout.num_tokens
+    torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_layout_and_metadata_against_torchs_reference_loop() -> None:
+    """The kernel's inputs (interleaved KV heads, padded head_dim, int32 request arrays) checked
+    through torch_xla's own non-kernel reference, which runs on the CPU."""
+    layout, q, k, v, k_hist, v_hist = random_step()
+    ragged = TorchAttention(BLOCK, None)
+    want = ragged.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
+                          ragged.metadata(layout, on_cpu), 0.25)
+    pallas = PallasAttention(None, max_num_seqs=8, use_kernel=False)
+    (shape,) = pallas.cache_shapes(BLOCKS, BLOCK, KV_HEADS, DIM)
+    assert shape == (BLOCKS, BLOCK, 2 * KV_HEADS, 128)
+    cache = torch.zeros(shape)
+    cache[:, :, 0::2, :DIM], cache[:, :, 1::2, :DIM] = k_hist, v_hist
+    got = pallas.forward(q, k, v, (cache,), pallas.metadata(layout, on_cpu), 0.25)
+    n = layout.num_tokens  # the reference loop returns the real tokens only
+    torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_general_sampling_path_picks_the_flag_free_tokens() -> None:
+    """What a compiling backend runs (every filter, penalties) changes nothing at neutral values,
+    so seeded tokens do not depend on the backend or on what else shares the batch."""
+    from meshserve.runner.sampler import PenaltyTensors, SamplingTensors, sample
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 500
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    plain = SamplingTensors(
+        temperature=torch.full((rows,), 0.8), top_k=torch.zeros(rows, dtype=torch.long),
+        top_p=torch.ones(rows), min_p=torch.zeros(rows), uniform=torch.rand(rows, generator=gen),
+        all_greedy=False, use_top_k=False, use_top_p=False, use_min_p=False)
+    ids = torch.randint(0, vocab + 1, (rows, 7), generator=gen)
+    neutral = PenaltyTensors(torch.zeros(rows), torch.zeros(rows), torch.ones(rows), ids, ids)
+    general = replace(plain, use_top_k=True, use_top_p=True, use_min_p=True, penalties=neutral)
+    assert torch.equal(sample(logits, plain, 0).token_ids, sample(logits, general, 0).token_ids)
