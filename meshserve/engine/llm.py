@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from meshserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from meshserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.engine.engine import EngineCore, TokenDelta, TokenLogprobs
 from meshserve.engine.request import SamplingParams
@@ -57,14 +57,15 @@ class LLM:
     """Generate from a batch of prompts on one local engine.
 
     ``model=None`` serves the bundled SmolLM2-135M-Instruct. ``device`` is ``"cpu"`` (eager torch),
-    ``"xla"`` (torch_xla) or ``"auto"``. Other arguments size the scheduler and the KV cache as in
-    vLLM.
+    ``"xla"`` (torch_xla) or ``"auto"``; ``tensor_parallel_size`` / ``data_parallel_size`` shape the
+    device mesh on xla. Other arguments size the scheduler and the KV cache as in vLLM.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", *,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  seed: int = 0, **engine_kwargs) -> None:
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed,
@@ -73,6 +74,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    data_parallel_size=data_parallel_size),
             **engine_kwargs)
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.loaded.tokenizer

@@ -121,7 +121,8 @@ class RaggedMetadata:
     slot_mapping: torch.Tensor  # [T]
     decode_token_index: torch.Tensor  # [num_decodes] token index of each one-token row
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_positions: torch.Tensor  # [num_decodes]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] keys each row sees
+    all_decode: bool  # every token is a decode row, in order: no scatter needed
     # Prefill rows, one segment each: (token start, query len, context len), and their tables.
     prefills: tuple[tuple[int, int, int], ...]
     prefill_block_tables: tuple[torch.Tensor, ...]
@@ -138,11 +139,17 @@ class TorchAttention(AttentionBackend):
         decodes, prefills = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
         max_blocks = int(-(-seq_lens[decodes].max() // bs)) if len(decodes) else 0
         table = layout.block_table.astype(np.int64)
+        # One mask per step, shared by every layer: row r sees keys at positions < seq_len.
+        k_pos = np.arange(max_blocks * bs)[None, :]
+        visible = k_pos < seq_lens[decodes][:, None]
+        if self.sliding_window is not None:
+            visible &= k_pos >= seq_lens[decodes][:, None] - self.sliding_window
         return RaggedMetadata(
             slot_mapping=to_device(layout.slot_mapping, True),
             decode_token_index=to_device(starts[decodes], False),
             decode_block_tables=to_device(table[decodes, :max_blocks], False),
-            decode_positions=to_device(seq_lens[decodes] - 1, False),
+            decode_mask=to_device(visible[:, None, None, :], False),
+            all_decode=len(decodes) == len(layout.slot_mapping),
             prefills=tuple((int(starts[r]), int(lens[r]), int(seq_lens[r])) for r in prefills),
             prefill_block_tables=tuple(to_device(table[r, :-(-seq_lens[r] // bs)], False)
                                        for r in prefills),
@@ -152,13 +159,14 @@ class TorchAttention(AttentionBackend):
                 kv_cache: KVCache, meta: RaggedMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+        group = query.shape[1] // k_cache.shape[2]
+        if meta.all_decode:  # the common decode step: one fused attention call, no scatter
+            return self._decode(query, k_cache, v_cache, meta, scale, group)
         out = torch.zeros_like(query)  # rows of padding tokens stay zero
         if meta.decode_token_index.numel():
-            decoded = attend_paged_rows(query[meta.decode_token_index], k_cache, v_cache,
-                                        meta.decode_block_tables, meta.decode_positions, scale,
-                                        self.sliding_window)
+            decoded = self._decode(query[meta.decode_token_index], k_cache, v_cache, meta, scale,
+                                   group)
             out.index_copy_(0, meta.decode_token_index, decoded)
-        group = query.shape[1] // k_cache.shape[2]
         for (start, q_len, ctx_len), table in zip(meta.prefills, meta.prefill_block_tables):
             q = query[start:start + q_len].transpose(0, 1)  # [H, Lq, D]
             keys = k_cache[table].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, Lc, D]
@@ -171,6 +179,16 @@ class TorchAttention(AttentionBackend):
                 scale=scale, enable_gqa=group > 1)
             out[start:start + q_len] = attended.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: RaggedMetadata, scale: float, group: int) -> torch.Tensor:
+        keys = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [R, Hkv, L, D]
+        values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            query.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
+            enable_gqa=group > 1)  # [R, H, 1, D]
+        return attended.squeeze(2)
 
 
 @dataclass(frozen=True, slots=True)
