@@ -37,10 +37,9 @@ ENGINE = dict(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, max_
 def run_variant(device: str, tp: int, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     """Build the engine (timed), warm it with a short generate, then time the whole batch."""
     from meshserve import LLM, SamplingParams
-    from meshserve.config import ParallelConfig
 
     start = time.perf_counter()
-    llm = LLM(None, device=device, parallel=ParallelConfig(tensor_parallel_size=tp), **ENGINE)
+    llm = LLM(None, device=device, tensor_parallel_size=tp, **ENGINE)
     startup_s = time.perf_counter() - start
     runner = llm.engine.runner
     graphs_ready = runner.backend.num_compiled_graphs()

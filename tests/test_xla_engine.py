@@ -40,10 +40,9 @@ def _child_greedy(job: dict) -> dict:
     import torch_xla
 
     from meshserve import LLM, SamplingParams
-    from meshserve.config import ParallelConfig
 
     llm = LLM(job["model"], device="xla", compile_cache_dir=job.get("cache_dir"),
-              parallel=ParallelConfig(job["tp"], job["dp"]), **ENGINE)
+              tensor_parallel_size=job["tp"], data_parallel_size=job["dp"], **ENGINE)
     runner = llm.engine.runner
     spec = torch_xla._XLAC._get_xla_sharding_spec
     warm = runner.backend.num_compiled_graphs()
@@ -61,11 +60,10 @@ def _child_greedy(job: dict) -> dict:
 def _child_workload(job: dict) -> dict:
     """Random traffic after warm-up: the compiled-graph count must not move."""
     from meshserve import LLM
-    from meshserve.config import ParallelConfig
     from meshserve.engine.request import SamplingParams
 
     llm = LLM(job["model"], device="xla", enable_prefix_caching=True,
-              parallel=ParallelConfig(job["tp"], job["dp"]),
+              tensor_parallel_size=job["tp"], data_parallel_size=job["dp"],
               # Two request buckets (8, 16); room for ~2.5 full-length requests: preemption.
               **{**ENGINE, "max_num_seqs": 16, "num_kv_blocks": 40})
     engine, rng = llm.engine, np.random.default_rng(7)

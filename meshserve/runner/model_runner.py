@@ -276,12 +276,9 @@ class ModelRunner:
         for i, row in enumerate(active):
             if completes[i] and temperature[i] > 0:
                 uniform[i] = self._uniform(row)
-        top_k = np.zeros(rows, dtype=np.int64)
-        top_k[:count] = b.top_k[active]
-        top_p = np.ones(rows, dtype=np.float32)
-        top_p[:count] = b.top_p[active]
-        min_p = np.zeros(rows, dtype=np.float32)
-        min_p[:count] = b.min_p[active]
+        top_k = _padded(b.top_k[active].astype(np.int64), rows, 0)
+        top_p = _padded(b.top_p[active], rows, 1.0)
+        min_p = _padded(b.min_p[active], rows, 0.0)
         sampling = temperature > 0
         use_top_k = bool((top_k[sampling] > 0).any())
         use_top_p = bool((top_p[sampling] < 1).any())
@@ -332,11 +329,15 @@ class ModelRunner:
         output_ids = np.full((rows, width), vocab, dtype=np.int64)
         generated = (pos >= prompt_len) & (pos < b.num_tokens[active][:, None])
         output_ids[:count] = np.where(generated, tokens, vocab)
-        presence = np.zeros(rows, dtype=np.float32)
-        presence[:count] = b.presence_penalty[active]
-        frequency = np.zeros(rows, dtype=np.float32)
-        frequency[:count] = b.frequency_penalty[active]
-        repetition = np.ones(rows, dtype=np.float32)
-        repetition[:count] = b.repetition_penalty[active]
+        presence = _padded(b.presence_penalty[active], rows, 0.0)
+        frequency = _padded(b.frequency_penalty[active], rows, 0.0)
+        repetition = _padded(b.repetition_penalty[active], rows, 1.0)
         return PenaltyTensors(*(self._put(a) for a in
                                 (presence, frequency, repetition, output_ids, prompt_ids)))
+
+
+def _padded(values: np.ndarray, rows: int, fill: float) -> np.ndarray:
+    """``values`` followed by ``fill`` up to ``rows`` entries (padding rows of a bucket)."""
+    out = np.full(rows, fill, dtype=values.dtype)
+    out[:len(values)] = values
+    return out
