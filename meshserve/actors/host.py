@@ -122,7 +122,6 @@ class HostActor(EngineHost):
         self._owner: dict[str, str] = {}  # request id -> channel id
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, known at first call
         self._error: str | None = None
-        self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
