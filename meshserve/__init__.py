@@ -8,8 +8,26 @@ The offline API mirrors vLLM's::
     print(out[0].outputs[0].text)
 """
 
-from meshserve.engine.llm import LLM, CompletionOutput, Logprob, RequestOutput
-from meshserve.engine.request import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from meshserve.contracts.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from meshserve.engine.llm import LLM, CompletionOutput, Logprob, RequestOutput
+
+# Resolved on first use, so that importing any meshserve module (the device-free scheduler, the
+# contracts, the CLI) does not load torch and the engine behind LLM.
+_LAZY = {name: "meshserve.engine.llm"
+         for name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob")}
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshserve' has no attribute {name!r}")

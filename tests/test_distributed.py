@@ -31,7 +31,7 @@ from meshserve.actors.lockstep import check_agreement
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
 from meshserve.deploy.settings import ServeSettings
-from meshserve.engine.scheduler import SchedulerOutput
+from meshserve.contracts import SchedulerOutput
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
 slow = pytest.mark.slow

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from meshserve.config import SchedulerConfig
+from meshserve.contracts import NewRequestData, RunnerOutput, SamplingParams
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.request import Request, SamplingParams
-from meshserve.engine.scheduler import NewRequestData, RunnerOutput, Scheduler
+from meshserve.engine.request import Request
+from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.buckets import pick_bucket, request_buckets, token_buckets
 from meshserve.runner.input_batch import InputBatch
 from meshserve.runner.sampler import SamplingTensors, sample

@@ -59,8 +59,7 @@ def _child_greedy(job: dict) -> dict:
 
 def _child_workload(job: dict) -> dict:
     """Random traffic after warm-up: the compiled-graph count must not move."""
-    from meshserve import LLM
-    from meshserve.engine.request import SamplingParams
+    from meshserve import LLM, SamplingParams
 
     llm = LLM(job["model"], device="xla", enable_prefix_caching=True,
               tensor_parallel_size=job["tp"], data_parallel_size=job["dp"],
@@ -86,7 +85,7 @@ def _child_workload(job: dict) -> dict:
 
 
 def _random_request(rng: np.random.Generator, index: int) -> tuple:
-    from meshserve.engine.request import SamplingParams
+    from meshserve import SamplingParams
 
     length = int(rng.integers(1, 200))
     params = SamplingParams(

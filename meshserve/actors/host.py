@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from meshserve.config import EngineConfig
-from meshserve.engine.engine import EngineCore, EngineStats, TokenDelta, TokenLogprobs
-from meshserve.engine.request import SamplingParams
+from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
+from meshserve.engine.engine import EngineCore
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -20,10 +20,13 @@ chips and the other hosts' do the splitting.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshserve.actors.host import EngineHost, HostError, HostInfo
-from meshserve.engine.engine import EngineCore
-from meshserve.engine.scheduler import RunnerOutput, SchedulerOutput
+from meshserve.contracts.step import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from meshserve.engine.engine import EngineCore
 
 # How long the lead waits for a follower's step. Serving steps take milliseconds to seconds
 # (warm-up compiled everything before serving began); a follower this late is lost.

@@ -16,7 +16,7 @@ from meshserve.actors.host import GenerateSpec, HostActor, HostInfo
 from meshserve.actors.lockstep import FollowerHost, check_agreement
 from meshserve.actors.placement import HostSlot, Placement, place_hosts
 from meshserve.config import EngineConfig
-from meshserve.engine.engine import EngineStats, TokenDelta
+from meshserve.contracts.tokens import EngineStats, TokenDelta
 
 
 class ReplicaGroup:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from meshserve.actors.host import GenerateSpec
 from meshserve.engine.detokenizer import IncrementalDetokenizer
-from meshserve.engine.request import SamplingParams
+from meshserve.contracts.sampling import SamplingParams
 
 
 @dataclass

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshserve.contracts.sampling import SamplingParams
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
 from meshserve.deploy.metrics import ServingMetrics
@@ -28,7 +29,6 @@ from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest,
 from meshserve.deploy.router import RequestRejected, RouterOverloaded
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
-from meshserve.engine.request import SamplingParams
 from meshserve.runner.loader import load_tokenizer
 
 logger = logging.getLogger("meshserve.ingress")

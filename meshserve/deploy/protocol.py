@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from meshserve.engine.request import MAX_LOGPROBS, SamplingParams
+from meshserve.contracts.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 16

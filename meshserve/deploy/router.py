@@ -28,8 +28,8 @@ from ray import serve
 from meshserve.actors.host import Completion, GenerateSpec, HostInfo
 from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
+from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.settings import ServeSettings
-from meshserve.engine.engine import TokenDelta
 
 logger = logging.getLogger("meshserve.router")
 bind_serve_grpc_to_node_ip()

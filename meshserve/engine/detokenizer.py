@@ -8,7 +8,7 @@ incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-from meshserve.engine.request import SamplingParams
+from meshserve.contracts.sampling import SamplingParams
 
 _WINDOW = 6  # tokens of context before the unread ones; enough for any merge we have seen
 

@@ -8,46 +8,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import psutil
 import torch
 
 from meshserve.config import EngineConfig
+from meshserve.contracts.sampling import FinishReason, SamplingParams
+from meshserve.contracts.step import RunnerOutput, SchedulerOutput
+from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.request import FinishReason, Request, SamplingParams
-from meshserve.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from meshserve.engine.request import Request
+from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.loader import LoadedModel, load_model
 from meshserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from meshserve.spmd.backend import create_backend
 
 logger = logging.getLogger("meshserve.engine")
-
-TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """New tokens of one request after a step; plain data, safe to send between processes."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
 
 
 def resolve_dtype(dtype: str, loaded_dtype: torch.dtype = torch.float32) -> torch.dtype:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from meshserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from meshserve.engine.detokenizer import IncrementalDetokenizer
-from meshserve.engine.engine import EngineCore, TokenDelta, TokenLogprobs
-from meshserve.engine.request import SamplingParams
+from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
+from meshserve.engine.engine import EngineCore
 
 logger = logging.getLogger("meshserve.llm")
 

@@ -4,67 +4,21 @@ There is no separate prefill phase. Every request carries ``num_computed_tokens`
 running requests, then waiting ones, as many of their uncomputed tokens as the token budget allows
 (so long prompts are prefilled in chunks beside ongoing decodes). When KV blocks run out, the most
 recently admitted running request is preempted: its blocks are freed and it is recomputed later.
-The scheduler never touches a device; the runner never decides who runs.
+The scheduler never touches a device; the runner never decides who runs. The step between them
+is plain data (``meshserve.contracts.step``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from meshserve.config import SchedulerConfig
+from meshserve.contracts.sampling import FinishReason
+from meshserve.contracts.step import (NewRequestData, RunnerOutput, RunningRequestData,
+                                      SchedulerOutput)
 from meshserve.engine.block_manager import BlockManager
-from meshserve.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class NewRequestData:
-    """A request the runner has not seen (or has dropped after a preemption)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # prompt and any tokens generated before a preemption
-    num_prompt_tokens: int
-    params: SamplingParams
-    sample_index: int  # which of a prompt's n samples: keys its seeded random stream
-    block_ids: tuple[int, ...]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class RunningRequestData:
-    """A request the runner already holds: only what changed."""
-
-    request_id: str
-    new_block_ids: tuple[int, ...]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """One step, as plain data: what the lead host broadcasts to its followers."""
-
-    new_requests: tuple[NewRequestData, ...]
-    running_requests: tuple[RunningRequestData, ...]
-    num_scheduled_tokens: dict[str, int]
-    finished_request_ids: frozenset[str]  # finished, aborted or preempted since the last step
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerOutput:
-    """What one step produced: a token for every request whose known tokens were all computed."""
-
-    sampled_token_ids: dict[str, int]
-    # request id -> (logprob of the sampled token, top token ids, their logprobs)
-    logprobs: dict[str, tuple[float, tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+from meshserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:

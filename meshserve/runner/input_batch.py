@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshserve.engine.request import SamplingParams
-from meshserve.engine.scheduler import NewRequestData
+from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.step import NewRequestData
 
 
 class InputBatch:

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from meshserve.config import ModelConfig
-from meshserve.engine.request import MAX_LOGPROBS
-from meshserve.engine.scheduler import RunnerOutput, SchedulerOutput
+from meshserve.contracts.sampling import MAX_LOGPROBS
+from meshserve.contracts.step import RunnerOutput, SchedulerOutput
+from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.runner.attention import KVCache, StepLayout, select_attention
 from meshserve.runner.buckets import (pick_bucket, reachable_request_buckets, request_buckets,
                                      token_buckets)
@@ -188,7 +189,7 @@ class ModelRunner:
         batch = self.batch
         tokens = out.token_ids.cpu().numpy()
         result: dict[str, int] = {}
-        logprobs: dict[str, tuple[float, tuple[int, ...], tuple[float, ...]]] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
         if num_logprobs:
             sampled_lp = out.sampled_logprobs.cpu().numpy()
             top_ids = out.top_ids.cpu().numpy()

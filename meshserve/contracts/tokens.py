@@ -1,0 +1,36 @@
+"""What an engine reports: new tokens per request (with their logprobs) and its own counters.
+
+Plain data that crosses processes (host actor → router → ingress) unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# One generated token's logprobs: (logprob of the sampled token, the top token ids, their
+# logprobs), the top ones most likely first and cut to the request's ``SamplingParams.logprobs``.
+TokenLogprobs = tuple[float, tuple[int, ...], tuple[float, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request after a step; plain data, safe to send between processes."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None
+    finish_reason: str | None  # a FinishReason value on the request's last delta
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
