@@ -110,6 +110,23 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """How many host actors a deployment starts and what each reserves from Ray."""
+
+    num_replicas: int = 1  # data-parallel copies of the model, each behind the one router
+    hosts_per_replica: int = 1  # on a TPU slice: the slice's host count
+    # CPUs each host actor reserves (on a TPU slice it also reserves its host's chips).
+    host_num_cpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "hosts_per_replica"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name,
+                     f"must be an integer >= 1, got {value!r}")
+        _require(self.host_num_cpus > 0, "host_num_cpus", "must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything one engine needs; built by ``LLM`` and by the host actors from the same flags."""
 

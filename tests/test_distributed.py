@@ -31,6 +31,7 @@ from meshserve.actors.lockstep import check_agreement
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
 from meshserve.deploy.settings import ServeSettings
+from meshserve.config import PlacementConfig
 from meshserve.contracts import SchedulerOutput
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
@@ -352,7 +353,8 @@ def tpu_replica(cluster, tiny_llama_dir):
                     os.environ[key] = value
     cluster.wait_for_nodes()
     settings = _settings(tiny_llama_dir, hosts_per_replica=2, num_replicas=1)
-    placement, (group,) = start_replicas(settings)
+    placement, (group,) = start_replicas(
+        settings.engine_config(), PlacementConfig(1, 2, settings.host_num_cpus))
     yield placement, group
     group.kill()
     placement.release()

@@ -8,105 +8,32 @@ token. Ray programs can also call it directly (``generate`` / ``generate_stream`
 batch jobs use a host without Serve.
 
 In a multi-host replica the ``HostActor`` is the lead and the other hosts are ``FollowerHost`` s
-(see ``lockstep.py``); both share ``EngineHost`` for what every host does.
+(see ``lockstep.py``); both share ``EngineHost`` (``engine_host.py``) for what every host does.
+What they send each other is in ``messages.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshserve.actors.channel import next_batch
+from meshserve.actors.engine_host import EngineHost
+from meshserve.actors.lockstep import Lockstep
+from meshserve.actors.messages import Completion, GenerateSpec, HostError
 from meshserve.config import EngineConfig
 from meshserve.contracts.sampling import SamplingParams
-from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
-from meshserve.engine.engine import EngineCore
+from meshserve.contracts.tokens import EngineStats, TokenDelta
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 logger = logging.getLogger("meshserve.host")
-
-# The TPU runtime variables a host may be started with (see placement.py); reported in HostInfo.
-TPU_ENV_VARS = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateSpec:
-    """One sequence to generate, as sent from a router to a host."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    sample_index: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A finished sequence: what the unary ``generate`` calls return."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-
-    @classmethod
-    def from_deltas(cls, request_id: str, deltas: Sequence[TokenDelta]) -> "Completion":
-        last = deltas[-1]
-        logprobs = None
-        if last.logprobs is not None:
-            logprobs = tuple(lp for d in deltas for lp in d.logprobs or ())
-        return cls(request_id, tuple(t for d in deltas for t in d.token_ids), last.finish_reason,
-                   last.num_prompt_tokens, last.num_cached_tokens, logprobs)
-
-
-@dataclass(frozen=True, slots=True)
-class HostInfo:
-    node_id: str
-    host_index: int
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    num_total_blocks: int
-    block_size: int
-    tpu_env: dict[str, str] = field(default_factory=dict)  # the TPU runtime variables it runs with
-    pid: int = 0  # the actor's process, for operators (and fault-injection tests)
-
-
-class HostError(RuntimeError):
-    """The engine of a host failed (or its replica fell out of step); its requests are lost."""
-
-
-class EngineHost:
-    """What every host actor does: build the engine on this host and describe it."""
-
-    def __init__(self, config: EngineConfig, host_index: int = 0,
-                 num_threads: int | None = None) -> None:
-        import ray
-        import torch
-
-        # Ray sets OMP_NUM_THREADS to the actor's CPU count; the engine wants every core it owns.
-        # (torch applies this count to threads started later too, such as the engine thread.)
-        torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.engine = EngineCore(config)
-        self.host_index = host_index
-        self.node_id = ray.get_runtime_context().get_node_id()
-
-    def info(self) -> HostInfo:
-        e = self.engine
-        tpu_env = {name: os.environ[name] for name in TPU_ENV_VARS if name in os.environ}
-        return HostInfo(self.node_id, self.host_index, e.loaded.name, e.max_model_len,
-                        e.loaded.config.vocab_size, e.block_manager.num_total_blocks,
-                        e.config.cache.block_size, tpu_env, os.getpid())
-
 
 class HostActor(EngineHost):
     """Owns an engine on one host and serves it. Start it with ``start_host`` (or
@@ -114,8 +41,6 @@ class HostActor(EngineHost):
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
                  num_threads: int | None = None, followers: Sequence = ()) -> None:
-        from meshserve.actors.lockstep import Lockstep
-
         super().__init__(config, host_index, num_threads)
         self._lockstep = Lockstep(followers) if followers else None
         self._inbox: queue.Queue = queue.Queue()
@@ -160,7 +85,7 @@ class HostActor(EngineHost):
         out = self._open(channel)
         try:
             while True:
-                yield await self._next_batch(out)
+                yield await next_batch(out)
         finally:
             self._channels.pop(channel, None)
 
@@ -185,7 +110,7 @@ class HostActor(EngineHost):
             if error is not None:
                 raise ValueError(error)
             while not finished:
-                batch = await self._next_batch(out)
+                batch = await next_batch(out)
                 finished = batch[-1].finish_reason is not None
                 yield batch
         finally:
@@ -204,16 +129,6 @@ class HostActor(EngineHost):
     def _open(self, channel: str) -> asyncio.Queue:
         self._loop = asyncio.get_running_loop()
         return self._channels.setdefault(channel, asyncio.Queue())
-
-    @staticmethod
-    async def _next_batch(out: asyncio.Queue) -> list[TokenDelta]:
-        batch = list(await out.get())
-        while not out.empty():  # coalesce whatever else is ready
-            batch.extend(out.get_nowait())
-        failure = next((d for d in batch if isinstance(d, HostError)), None)
-        if failure is not None:
-            raise failure
-        return batch
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

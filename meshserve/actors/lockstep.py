@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshserve.actors.host import EngineHost, HostError, HostInfo
+from meshserve.actors.engine_host import EngineHost
+from meshserve.actors.messages import HostError, HostInfo
 from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:

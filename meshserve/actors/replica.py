@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Sequence
 
 import ray
 
-from meshserve.actors.host import GenerateSpec, HostActor, HostInfo
+from meshserve.actors.host import HostActor
 from meshserve.actors.lockstep import FollowerHost, check_agreement
+from meshserve.actors.messages import GenerateSpec, HostInfo
 from meshserve.actors.placement import HostSlot, Placement, place_hosts
-from meshserve.config import EngineConfig
+from meshserve.config import EngineConfig, PlacementConfig
 from meshserve.contracts.tokens import EngineStats, TokenDelta
 
 
@@ -70,9 +71,9 @@ def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
     return ReplicaGroup(lead, followers)
 
 
-def start_replicas(settings) -> tuple[Placement, list[ReplicaGroup]]:
-    """Place and start every replica of a deployment (``ServeSettings``)."""
-    placement = place_hosts(settings.num_replicas, settings.hosts_per_replica,
-                            settings.host_num_cpus)
-    config = settings.engine_config()
-    return placement, [start_replica(slots, config) for slots in placement.replicas]
+def start_replicas(engine: EngineConfig,
+                   placement: PlacementConfig) -> tuple[Placement, list[ReplicaGroup]]:
+    """Place and start every replica of a deployment; returns before the engines have loaded."""
+    placed = place_hosts(placement.num_replicas, placement.hosts_per_replica,
+                         placement.host_num_cpus)
+    return placed, [start_replica(slots, engine) for slots in placed.replicas]

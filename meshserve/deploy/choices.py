@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from meshserve.actors.host import GenerateSpec
+from meshserve.actors.messages import GenerateSpec
 from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.contracts.sampling import SamplingParams
 

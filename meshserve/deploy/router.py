@@ -25,8 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 from ray import serve
 
-from meshserve.actors.host import Completion, GenerateSpec, HostInfo
+from meshserve.actors.channel import next_batch
+from meshserve.actors.messages import Completion, GenerateSpec, HostInfo
 from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
+from meshserve.config import PlacementConfig
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.settings import ServeSettings
@@ -54,6 +56,7 @@ class ReplicaFailed(RuntimeError):
 class ReplicaState:
     group: ReplicaGroup
     index: int
+    # Per sequence, batches of its deltas (or a failure), as actors/channel.py reads them.
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     load_tokens: int = 0  # tokens still owed by sequences in flight
     healthy: bool = True
@@ -68,7 +71,10 @@ class Router:
         self.settings = settings
         self.channel = f"router-{uuid.uuid4().hex[:8]}"
         # The placement groups share this actor's fate: they go (with the hosts) when it does.
-        self.placement, groups = start_replicas(settings)
+        self.placement, groups = start_replicas(
+            settings.engine_config(), PlacementConfig(settings.num_replicas,
+                                                      settings.hosts_per_replica,
+                                                      settings.host_num_cpus))
         self._engine_config = settings.engine_config()
         self.replicas = [ReplicaState(group, i) for i, group in enumerate(groups)]
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
@@ -171,12 +177,7 @@ class Router:
             if errors[0] is not None:
                 raise RequestRejected(errors[0])
             while not finished:
-                batch = [await stream.get()]
-                while not stream.empty():
-                    batch.append(stream.get_nowait())
-                failure = next((d for d in batch if isinstance(d, BaseException)), None)
-                if failure is not None:
-                    raise failure
+                batch = await next_batch(stream)
                 finished = batch[-1].finish_reason is not None
                 yield batch
         finally:
@@ -220,17 +221,20 @@ class Router:
         """Fan a replica's output channel out to the per-sequence streams."""
         try:
             async for batch in replica.group.outputs(self.channel):
+                by_sequence: dict[str, list[TokenDelta]] = {}
                 for delta in batch:
-                    stream = replica.streams.get(delta.request_id)
+                    by_sequence.setdefault(delta.request_id, []).append(delta)
+                for request_id, deltas in by_sequence.items():
+                    stream = replica.streams.get(request_id)
                     if stream is not None:
-                        stream.put_nowait(delta)
+                        stream.put_nowait(deltas)
             raise ReplicaFailed("its output channel closed")
         except Exception as exc:  # noqa: BLE001 - the replica died: fail its sequences, restart
             logger.error("replica %d failed: %r; restarting it", replica.index, exc)
             replica.healthy = False
             failure = ReplicaFailed(f"replica {replica.index} failed: {exc}")
             for stream in replica.streams.values():
-                stream.put_nowait(failure)
+                stream.put_nowait([failure])
             asyncio.get_running_loop().create_task(self._restart(replica))
 
     async def _restart(self, replica: ReplicaState) -> None:

@@ -1,0 +1,35 @@
+"""``EngineHost``: what every host actor does, lead or follower: build the engine, describe it."""
+
+from __future__ import annotations
+
+import os
+
+from meshserve.actors.messages import HostInfo
+from meshserve.config import EngineConfig
+from meshserve.engine.engine import EngineCore
+
+# The TPU runtime variables a host may be started with (see placement.py); reported in HostInfo.
+TPU_ENV_VARS = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
+
+
+class EngineHost:
+    """Builds one engine on this host; ``HostActor`` (lead) and ``FollowerHost`` extend it."""
+
+    def __init__(self, config: EngineConfig, host_index: int = 0,
+                 num_threads: int | None = None) -> None:
+        import ray
+        import torch
+
+        # Ray sets OMP_NUM_THREADS to the actor's CPU count; the engine wants every core it owns.
+        # (torch applies this count to threads started later too, such as the engine thread.)
+        torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.engine = EngineCore(config)
+        self.host_index = host_index
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def info(self) -> HostInfo:
+        e = self.engine
+        tpu_env = {name: os.environ[name] for name in TPU_ENV_VARS if name in os.environ}
+        return HostInfo(self.node_id, self.host_index, e.loaded.name, e.max_model_len,
+                        e.loaded.config.vocab_size, e.block_manager.num_total_blocks,
+                        e.config.cache.block_size, tpu_env, os.getpid())
