@@ -34,7 +34,9 @@ _LAZY = {
                     "meshserve.actors.replica"),
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["Completion", "FollowerHost", "GenerateSpec", "HostActor", "HostError", "HostInfo",
+           "Placement", "ReplicaGroup", "place_hosts", "start_host", "start_replica",
+           "start_replicas"]
 
 
 def __getattr__(name: str) -> Any:
