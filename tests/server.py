@@ -63,7 +63,7 @@ class Server:
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
     """Run ``meshserve serve ARGS`` on a free loopback port and wait until /health says 200."""
     port = free_port()
-    command = [sys.executable, "-m", "meshserve.deploy.cli", "serve", "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "meshserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), *args]
     out = open(log, "w")
     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,

@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from meshserve.deploy import k8s
-from meshserve.deploy.k8s import EXAMPLES, GENERATIONS, Deployment, render, resolve_slice
+from meshserve.kuberay import cli
+from meshserve.kuberay.deployment import Deployment
+from meshserve.kuberay.examples import EXAMPLES, write_examples
+from meshserve.kuberay.manifest import app_args, command_line, node_pool_commands, render, to_yaml
+from meshserve.kuberay.tpu import GENERATIONS, resolve_slice
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
@@ -224,10 +227,10 @@ def test_table_is_self_consistent() -> None:
 
 
 def test_multi_host_replicas_get_one_node_pool_each() -> None:
-    commands = k8s.node_pool_commands(Deployment("v6e", "4x4", "/models/m", replicas=2))
+    commands = node_pool_commands(Deployment("v6e", "4x4", "/models/m", replicas=2))
     assert len(commands) == 2
     assert all("--tpu-topology=4x4 --num-nodes=4" in c for c in commands)
-    (single,) = k8s.node_pool_commands(Deployment("v6e", "2x4", "/models/m", replicas=2))
+    (single,) = node_pool_commands(Deployment("v6e", "2x4", "/models/m", replicas=2))
     assert "--machine-type=ct6e-standard-8t" in single and "--num-nodes=2" in single
     assert "--tpu-topology" not in single
 
@@ -242,7 +245,7 @@ def test_serve_config_parses_with_import_path_and_args(filename: str) -> None:
     assert app["import_path"] == "meshserve.deploy.app:build_app"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     d = EXAMPLES[filename]
-    assert app["args"] == k8s.app_args(d)
+    assert app["args"] == app_args(d)
     assert app["args"]["model"] == d.model and app["args"]["device"] == "xla"
     assert set(app["args"]) >= {"model", "served_model_name", "device", "dtype",
                                 "tensor_parallel_size", "hosts_per_replica", "num_replicas",
@@ -258,7 +261,7 @@ def test_api_key_secret_reaches_args_and_every_pod() -> None:
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         (env,) = group["template"]["spec"]["containers"][0]["env"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "meshserve-key", "key": "api-key"}
-    assert "api_key_env" not in k8s.app_args(Deployment("v5e", "2x4", "/models/m"))
+    assert "api_key_env" not in app_args(Deployment("v5e", "2x4", "/models/m"))
 
 
 def test_import_path_builds_the_application_without_starting_ray() -> None:
@@ -279,8 +282,8 @@ def test_import_path_builds_the_application_without_starting_ray() -> None:
 
 @pytest.mark.parametrize("filename", sorted(EXAMPLES))
 def test_committed_manifest_equals_render(filename: str) -> None:
-    assert (K8S_DIR / filename).read_text() == k8s.to_yaml(EXAMPLES[filename]), (
-        "k8s/ is out of date: run `python -m meshserve.deploy.k8s --write-examples`")
+    assert (K8S_DIR / filename).read_text() == to_yaml(EXAMPLES[filename]), (
+        "k8s/ is out of date: run `meshserve k8s write-examples k8s`")
 
 
 def test_no_stray_manifests() -> None:
@@ -288,13 +291,23 @@ def test_no_stray_manifests() -> None:
 
 
 def test_write_examples_reproduces_committed_files(tmp_path: Path) -> None:
-    for path in k8s.write_examples(tmp_path):
+    for path in write_examples(tmp_path):
         assert path.read_text() == (K8S_DIR / path.name).read_text()
+
+
+def test_write_examples_command_reproduces_committed_files(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="meshserve")
+    cli.add_k8s_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["k8s", "write-examples", str(tmp_path)])
+    with redirect_stdout(io.StringIO()):
+        assert args.func(args) == 0
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {
+        name: (K8S_DIR / name).read_text() for name in EXAMPLES}
 
 
 def test_header_commands_reproduce_the_manifest() -> None:
     parser = argparse.ArgumentParser(prog="meshserve")
-    k8s.add_k8s_parser(parser.add_subparsers(dest="command"))
+    cli.add_k8s_parser(parser.add_subparsers(dest="command"))
     for filename, d in EXAMPLES.items():
         text = (K8S_DIR / filename).read_text()
         command = text.splitlines()[0].removeprefix("# Rendered by: ")
@@ -307,7 +320,7 @@ def test_header_commands_reproduce_the_manifest() -> None:
 
 def test_cli_reports_impossible_combination(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="meshserve")
-    k8s.add_k8s_parser(parser.add_subparsers(dest="command"))
+    cli.add_k8s_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["k8s", "render", "--accelerator", "v5e", "--topology", "3x3",
                               "--model", "/models/m"])
     assert args.func(args) == 2
@@ -316,7 +329,7 @@ def test_cli_reports_impossible_combination(capsys: pytest.CaptureFixture[str]) 
 
 def test_cli_writes_output_file(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="meshserve")
-    k8s.add_k8s_parser(parser.add_subparsers(dest="command"))
+    cli.add_k8s_parser(parser.add_subparsers(dest="command"))
     target = tmp_path / "svc.yaml"
     args = parser.parse_args(["k8s", "render", "--accelerator", "v6e", "--topology", "4x4",
                               "--model", "/models/m", "--replicas", "2", "-o", str(target)])
@@ -333,8 +346,8 @@ def test_readme_matches_manifests() -> None:
     for filename, d in EXAMPLES.items():
         assert filename in readme
         # Each example's render command, with the user's image and bucket added.
-        assert f'{k8s.command_line(d)} --image "$IMAGE" --bucket "$BUCKET"' in readme
-        for command in k8s.node_pool_commands(d):
+        assert f'{command_line(d)} --image "$IMAGE" --bucket "$BUCKET"' in readme
+        for command in node_pool_commands(d):
             assert command.replace(" --", " \\\n    --") in readme, command
         assert f"svc/{d.service_name}-serve-svc" in readme
         assert f'"model": "{d.model_name}"' in readme

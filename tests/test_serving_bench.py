@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshserve.deploy.serving_bench import (
-    BenchConfig, BenchResult, RequestResult, SSEDecoder, StreamTimer, add_bench_parser,
-    format_table, load_prompts, percentiles, run_benchmark, synthetic_prompts, write_report)
+from meshserve.benchmark.cli import add_bench_parser
+from meshserve.benchmark.client import run_benchmark
+from meshserve.benchmark.prompts import load_prompts, synthetic_prompts
+from meshserve.benchmark.report import format_table, write_report
+from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult, percentiles
+from meshserve.benchmark.stream import SSEDecoder, StreamTimer
 
 
 def _chunk(text: str, usage: dict | None = None) -> dict:

@@ -14,6 +14,9 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
+from meshserve.benchmark.cli import add_bench_parser  # noqa: E402
+from meshserve.kuberay.cli import add_k8s_parser  # noqa: E402
+
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -127,9 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshserve", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)
-    from meshserve.deploy.k8s import add_k8s_parser
-    from meshserve.deploy.serving_bench import add_bench_parser
-
     add_bench_parser(subparsers)
     add_k8s_parser(subparsers)
     return parser

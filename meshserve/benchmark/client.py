@@ -1,0 +1,74 @@
+"""Sending a run's requests over HTTP: the one module that needs httpx.
+
+It speaks only the public ``/v1/completions`` protocol, so the same run measures meshserve and a
+peer such as vLLM on the same prompts. Timings are taken here, on the client: they include the
+network and the server's HTTP layer, which is what a user sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from meshserve.benchmark.prompts import load_prompts
+from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult
+from meshserve.benchmark.stream import StreamTimer
+
+async def _send(client: httpx.AsyncClient, config: BenchConfig, prompt: str) -> RequestResult:
+    body = {"model": config.model, "prompt": prompt, "max_tokens": config.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": config.stream}
+    if config.stream:
+        body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", config.completions_url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                return RequestResult(ok=False, e2e=time.perf_counter() - start,
+                                     error=f"HTTP {response.status_code}: {text[:300]}")
+            if not config.stream:
+                payload = json.loads(await response.aread())
+                e2e = time.perf_counter() - start
+                usage = payload.get("usage") or {}
+                return RequestResult(ok=True, e2e=e2e, ttft=e2e,
+                                     output_tokens=usage.get("completion_tokens", 0),
+                                     prompt_tokens=usage.get("prompt_tokens"))
+            timer = StreamTimer(start)
+            async for chunk in response.aiter_bytes():
+                timer.feed(chunk, time.perf_counter())
+            return timer.result(time.perf_counter())
+    except (httpx.HTTPError, ValueError) as error:  # ValueError: malformed JSON or UTF-8
+        return RequestResult(ok=False, e2e=time.perf_counter() - start,
+                             error=f"{type(error).__name__}: {error}")
+
+
+async def run_benchmark(config: BenchConfig) -> BenchResult:
+    """Send every prompt, at most ``concurrency`` at a time; requests still running when the
+    run timeout expires are cancelled and counted as failed."""
+    prompts = load_prompts(config)
+    semaphore = asyncio.Semaphore(config.concurrency)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=config.concurrency,
+                          max_keepalive_connections=config.concurrency)
+
+    async with httpx.AsyncClient(limits=limits, timeout=config.timeout,
+                                 headers=headers) as client:
+        async def bounded(prompt: str) -> RequestResult:
+            async with semaphore:
+                return await _send(client, config, prompt)
+
+        start = time.perf_counter()
+        tasks = [asyncio.ensure_future(bounded(p)) for p in prompts]
+        _, pending = await asyncio.wait(tasks, timeout=config.timeout)
+        duration = time.perf_counter() - start
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    timed_out = RequestResult(ok=False, e2e=duration,
+                              error=f"not finished within the {config.timeout:g} s run timeout")
+    return BenchResult(config=config, duration=duration,
+                       requests=tuple(timed_out if t in pending else t.result() for t in tasks))
