@@ -171,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     from meshserve.runner.loader import load_tokenizer
 
     # One engine shape for every path: the router's settings build the others' EngineConfig.
-    settings = ServeSettings(model=args.model, device="cpu", num_kv_blocks=256, max_num_seqs=8)
-    config = settings.engine_config()
+    settings = ServeSettings.from_args({"model": args.model, "device": "cpu",
+                                        "num_kv_blocks": 256, "max_num_seqs": 8})
+    config = settings.engine
     tokenizer = load_tokenizer(args.model)
     prompts = [tokenizer.encode(p) for p in build_prompts(args.num_requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "router_latency",
         "figures": "CPU",  # device="cpu" on every path, whatever the machine has
         "machine": info,
-        "config": {"model": settings.model_name(), "device": "cpu", "dtype": settings.dtype,
+        "config": {"model": settings.model_name(), "device": "cpu", "dtype": config.dtype,
                    "num_requests": args.num_requests, "max_tokens": args.max_tokens,
                    "concurrency": 1, "prompt_tokens": [len(p) for p in prompts]},
         "load_average_1m": {"start": round(load_before[0], 2),

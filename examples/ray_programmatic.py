@@ -24,7 +24,7 @@ from ray import serve  # noqa: E402
 
 from meshserve import SamplingParams  # noqa: E402
 from meshserve.actors import GenerateSpec, start_host  # noqa: E402
-from meshserve.config import CacheConfig, EngineConfig  # noqa: E402
+from meshserve.config import EngineConfig  # noqa: E402
 from meshserve.deploy.app import build_app  # noqa: E402
 from meshserve.runner.loader import load_tokenizer  # noqa: E402
 
@@ -34,7 +34,7 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of",
 
 def batch_job(model: str | None, tokenizer, params: SamplingParams) -> None:
     """One HostActor, many prompts: concurrent calls share the engine's continuous batch."""
-    host = start_host(EngineConfig(model=model, cache=CacheConfig(num_blocks=512)))
+    host = start_host(EngineConfig.from_flat({"model": model, "num_kv_blocks": 512}))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     started = time.perf_counter()
     completions = ray.get([host.generate.remote(p, params) for p in prompts])

@@ -1,4 +1,10 @@
-"""The ``meshserve`` command: ``serve``, ``bench serve`` and ``k8s render``."""
+"""The ``meshserve`` command: ``serve``, ``bench serve`` and ``k8s render`` / ``write-examples``.
+
+Building the parser loads only plain-data modules (the config dataclasses, the benchmark's and the
+renderer's flags); each handler imports what its command needs (Ray, httpx, YAML) when it runs.
+``serve``'s setting flags are generated from the config dataclasses (``add_setting_flags``), so a
+flag's type, default and help are the field's own.
+"""
 
 from __future__ import annotations
 
@@ -15,53 +21,43 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 from meshserve.benchmark.cli import add_bench_parser  # noqa: E402
+from meshserve.config import flat_settings  # noqa: E402
+from meshserve.deploy.settings import ServeSettings  # noqa: E402
 from meshserve.kuberay.cli import add_k8s_parser  # noqa: E402
 
 
-def add_serve_parser(subparsers) -> None:
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", default=None,
-                   help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     p.add_argument("--address", default=None,
                    help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
-    p.add_argument("--device", choices=["auto", "cpu", "xla"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--hosts-per-replica", type=int, default=1)
-    p.add_argument("--num-replicas", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--compile-cache-dir", default=None)
-    p.add_argument("--max-queued-requests", type=int, default=512)
-    p.add_argument("--host-num-cpus", type=float, default=1.0,
-                   help="CPUs each host actor reserves in Ray")
-    p.add_argument("--api-key", default=None,
-                   help="require this bearer token on /v1 routes (or set MESHSERVE_API_KEY)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may finish after SIGINT/SIGTERM")
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 30)")
+    add_setting_flags(p, ServeSettings)
+    # The spelling from before the flags were generated; still accepted.
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="same as --no-enable-prefix-caching")
     p.set_defaults(func=run_serve)
 
 
-def settings_from_args(args: argparse.Namespace):
-    from meshserve.deploy.settings import ServeSettings
+def add_setting_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per flat setting of the config dataclass ``cls`` (``--max-num-seqs`` for
+    ``max_num_seqs``), typed, defaulted and described by the field itself."""
+    for s in flat_settings(cls):
+        flag = "--" + s.name.replace("_", "-")
+        described = s.help if s.default is None else f"{s.help} (default: %(default)s)"
+        if s.kind is bool:  # --name and --no-name
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=s.default,
+                                help=described)
+        else:
+            parser.add_argument(flag, type=s.kind, default=s.default, choices=s.choices,
+                                help=described)
 
-    return ServeSettings(
-        model=args.model, served_model_name=args.served_model_name, device=args.device,
-        dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-        hosts_per_replica=args.hosts_per_replica, num_replicas=args.num_replicas,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        compile_cache_dir=args.compile_cache_dir, max_queued_requests=args.max_queued_requests,
-        host_num_cpus=args.host_num_cpus, api_key=args.api_key, seed=args.seed)
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings.from_args({s.name: getattr(args, s.name)
+                                    for s in flat_settings(ServeSettings)})
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,17 +1,37 @@
-"""Frozen, self-validating configuration dataclasses.
+"""Frozen, self-validating configuration dataclasses, and the one way to build them from flat names.
 
-Every user-facing knob lands in exactly one of these; each validates itself in ``__post_init__``
-and raises ``ValueError`` naming the offending field, so a bad flag fails at start-up, not in the
-middle of serving.
+Every user-facing knob lands in exactly one of these, with its default and its help text (in the
+field's metadata); each dataclass validates itself in ``__post_init__`` and raises ``ValueError``
+naming the offending field, so a bad flag fails at start-up, not in the middle of serving.
+
+Users name settings flat (``block_size``, ``max_num_seqs``), whether as ``LLM(**kwargs)``, CLI flags
+or a serveConfigV2 ``args`` map. ``flat_settings`` lists a dataclass's settings with those of its
+nested config dataclasses expanded in place, and ``from_flat`` builds it back from such a mapping:
+the CLI generates its flags from the first, and ``LLM``, the CLI and the Serve app all build with
+the second, so a default or a help text is written once, here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUPPORTED_DEVICES = ("auto", "cpu", "xla")
+
+Config = TypeVar("Config")
+
+
+def setting(help: str, default: Any = MISSING, *, default_factory: Any = MISSING,
+            choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field that carries its help text (and allowed values) in its metadata."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"help": help, "choices": choices})
 
 
 def _require(condition: bool, name: str, message: str) -> None:
@@ -23,21 +43,22 @@ def _require(condition: bool, name: str, message: str) -> None:
 class ModelConfig:
     """The architecture of a Llama-family decoder, independent of where its weights came from."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # Mistral; None means full attention
+    architecture: str = setting("model family", choices=SUPPORTED_ARCHITECTURES)
+    vocab_size: int = setting("tokens in the vocabulary")
+    hidden_size: int = setting("width of the residual stream")
+    intermediate_size: int = setting("width of the MLP")
+    num_hidden_layers: int = setting("decoder layers")
+    num_attention_heads: int = setting("query heads")
+    num_key_value_heads: int = setting("key/value heads (fewer than query heads: GQA)")
+    head_dim: int = setting("width of one attention head")
+    rms_norm_eps: float = setting("epsilon of the RMS norms")
+    max_position_embeddings: int = setting("longest context the model was trained for")
+    tie_word_embeddings: bool = setting("the lm_head reuses the embedding matrix")
+    attention_bias: bool = setting("q/k/v projections carry a bias (Qwen2)")
+    bos_token_id: int | None = setting("beginning-of-sequence token, if any")
+    eos_token_ids: tuple[int, ...] = setting("tokens that end a sequence")
+    sliding_window: int | None = setting("attention window (Mistral); None: full attention",
+                                         None)
 
     def __post_init__(self) -> None:
         _require(
@@ -58,19 +79,23 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots per layer."""
+    """The paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` token slots per layer."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from memory by the engine
-    enable_prefix_caching: bool = True
-    # Fraction of available host memory the KV cache may take when num_blocks is None.
-    memory_fraction: float = 0.1
+    block_size: int = setting("token slots per KV block (a power of two)", 16)
+    num_kv_blocks: int | None = setting(
+        "KV blocks per engine, one of them reserved for padding (default: sized from free memory; "
+        "set it for multi-host replicas so every host allocates the same cache)", None)
+    enable_prefix_caching: bool = setting(
+        "share the KV blocks of prompts that start alike", True)
+    memory_fraction: float = setting(
+        "fraction of available host memory the KV cache may take when num_kv_blocks is unset",
+        0.1)
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
                  "block_size", f"must be a positive power of two, got {self.block_size}")
-        _require(self.num_blocks is None or self.num_blocks >= 2, "num_kv_blocks",
-                 f"must be at least 2 (one is reserved for padding), got {self.num_blocks}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
+                 f"must be at least 2 (one is reserved for padding), got {self.num_kv_blocks}")
         _require(0.0 < self.memory_fraction <= 1.0, "memory_fraction", "must be in (0, 1]")
 
 
@@ -78,12 +103,14 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: a per-step token budget and a cap on running sequences."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # None: the model's own maximum, capped at what the KV cache can hold.
-    max_model_len: int | None = None
-    # Token buckets grow by this gap once they reach it (0: keep doubling). See runner/buckets.py.
-    bucket_gap: int = 0
+    max_num_seqs: int = setting("sequences an engine runs at once", 64)
+    max_num_batched_tokens: int = setting("tokens an engine computes per step", 1024)
+    max_model_len: int | None = setting(
+        "longest sequence, prompt included (default: the model's own, capped at what the KV "
+        "cache holds)", None)
+    bucket_gap: int = setting(
+        "token buckets double up to this size, then grow by it (0: keep doubling); fewer "
+        "compiled shapes on xla", 0)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
@@ -97,8 +124,10 @@ class SchedulerConfig:
 class ParallelConfig:
     """How one replica's chips are arranged: a mesh of (data, model) axes."""
 
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = setting("chips a model is sharded over (the mesh's model axis)",
+                                        1)
+    data_parallel_size: int = setting(
+        "copies of the model inside one replica's mesh (the mesh's data axis)", 1)
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
@@ -113,10 +142,12 @@ class ParallelConfig:
 class PlacementConfig:
     """How many host actors a deployment starts and what each reserves from Ray."""
 
-    num_replicas: int = 1  # data-parallel copies of the model, each behind the one router
-    hosts_per_replica: int = 1  # on a TPU slice: the slice's host count
-    # CPUs each host actor reserves (on a TPU slice it also reserves its host's chips).
-    host_num_cpus: float = 1.0
+    num_replicas: int = setting("data-parallel replicas behind the router", 1)
+    hosts_per_replica: int = setting(
+        "hosts one replica spans (on a TPU slice: the slice's host count)", 1)
+    host_num_cpus: float = setting(
+        "CPUs each host actor reserves in Ray (on a TPU slice it also reserves its host's chips)",
+        1.0)
 
     def __post_init__(self) -> None:
         for name in ("num_replicas", "hosts_per_replica"):
@@ -128,24 +159,121 @@ class PlacementConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything one engine needs; built by ``LLM`` and by the host actors from the same flags."""
+    """Everything one engine needs; ``LLM``, the CLI and the Serve app build it with
+    ``EngineConfig.from_flat``."""
 
-    model: str | None = None  # a Hugging Face folder, a .gguf file, or None for the bundled model
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    compile_cache_dir: str | None = None
+    model: str | None = setting(
+        "Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)", None)
+    dtype: str = setting("weights and activations; auto keeps the checkpoint's", "auto",
+                         choices=SUPPORTED_DTYPES)
+    device: str = setting("cpu: eager torch; xla: torch_xla (a TPU, else PJRT CPU); auto: xla "
+                          "on a TPU host", "auto", choices=SUPPORTED_DEVICES)
+    seed: int = setting("seed of unseeded sampling (equal on every host of a replica)", 0)
+    cache: CacheConfig = setting("the paged KV cache", default_factory=CacheConfig)
+    scheduler: SchedulerConfig = setting("batching limits", default_factory=SchedulerConfig)
+    parallel: ParallelConfig = setting("the device mesh", default_factory=ParallelConfig)
+    compile_cache_dir: str | None = setting(
+        "torch_xla's persistent compilation cache folder (xla device)", None)
 
     def __post_init__(self) -> None:
         _require(self.dtype in SUPPORTED_DTYPES, "dtype",
                  f"{self.dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}")
-        _require(self.device in ("auto", "cpu", "xla"), "device",
-                 f"{self.device!r} is not one of auto, cpu, xla")
+        _require(self.device in SUPPORTED_DEVICES, "device",
+                 f"{self.device!r} is not one of {', '.join(SUPPORTED_DEVICES)}")
 
-    def replace(self, **changes: Any) -> "EngineConfig":
-        from dataclasses import replace
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """Build from flat names (``model``, ``block_size``, ``max_num_seqs``...)."""
+        return from_flat(cls, values)
 
-        return replace(self, **changes)
+    def to_flat(self) -> dict[str, Any]:
+        """The flat names and values ``from_flat`` takes back."""
+        return to_flat(self)
+
+
+# --- Flat names -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FlatSetting:
+    """One leaf field of a config dataclass, as a flag or an ``args`` key sees it."""
+
+    name: str
+    kind: type  # int, float, bool or str
+    optional: bool  # None is allowed
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def flat_settings(cls: type) -> list[FlatSetting]:
+    """``cls``'s fields in order, each nested config dataclass replaced by its own fields."""
+    out: list[FlatSetting] = []
+    hints = _hints(cls)
+    for f in fields(cls):
+        hint = hints[f.name]
+        if _is_section(hint):
+            out.extend(flat_settings(hint))
+            continue
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 \
+            and type(None) in args
+        kind = next(a for a in args if a is not type(None)) if optional else hint
+        if kind not in (int, float, bool, str):
+            raise TypeError(f"{cls.__name__}.{f.name}: a flat setting must be a scalar or an "
+                            f"optional scalar, not {hint}")
+        out.append(FlatSetting(f.name, kind, optional, f.default, f.metadata["help"],
+                               f.metadata["choices"]))
+    return out
+
+
+def from_flat(cls: type[Config], values: Mapping[str, Any]) -> Config:
+    """Build ``cls`` (and its nested config dataclasses) from flat names; names left out keep
+    their defaults. An unknown name or a value of the wrong type raises ``ValueError``."""
+    known = {s.name: s for s in flat_settings(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
+    for name, value in values.items():
+        _check_type(known[name], value)
+    return _build(cls, values)
+
+
+def _check_type(s: FlatSetting, value: Any) -> None:
+    if value is None:
+        ok = s.optional
+    elif isinstance(value, bool):  # bool is an int to Python, never to a user
+        ok = s.kind is bool
+    else:
+        ok = isinstance(value, s.kind) or (s.kind is float and isinstance(value, int))
+    _require(ok, s.name, f"expected {s.kind.__name__}{' or None' if s.optional else ''}, "
+                         f"got {value!r}")
+
+
+def _build(cls: type[Config], values: Mapping[str, Any]) -> Config:
+    hints = _hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        if _is_section(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], values)
+        elif f.name in values:
+            kwargs[f.name] = values[f.name]
+    return cls(**kwargs)
+
+
+def to_flat(config: Any) -> dict[str, Any]:
+    """A config dataclass's leaf values under their flat names (the inverse of ``from_flat``)."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        out.update(to_flat(value) if dataclasses.is_dataclass(value) else {f.name: value})
+    return out

@@ -31,7 +31,6 @@ from meshserve.actors.lockstep import check_agreement
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
 from meshserve.deploy.settings import ServeSettings
-from meshserve.config import PlacementConfig
 from meshserve.contracts import SchedulerOutput
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
@@ -50,7 +49,7 @@ TPU_SLICE = dict(TPU_NAME="test-slice", TPU_ACCELERATOR_TYPE="v4-16", TPU_TOPOLO
 
 
 def _settings(model: str, **overrides) -> ServeSettings:
-    return ServeSettings(model=model, **{**ENGINE_ARGS, **overrides})
+    return ServeSettings.from_args({"model": model, **ENGINE_ARGS, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +272,7 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_with_cache_hits(ap
 
 @slow
 def test_start_host_serves_a_batch_job_and_streams(cluster, reference, tiny_llama_dir):
-    host = start_host(_settings(tiny_llama_dir).engine_config())
+    host = start_host(_settings(tiny_llama_dir).engine)
     try:
         prompts = _tokens(reference, PROMPTS)
         completions = ray.get([host.generate.remote(p, GREEDY) for p in prompts], timeout=120)
@@ -315,8 +314,8 @@ class DivergentFollower(FollowerHost):
 def test_a_follower_out_of_step_fails_every_stream_of_the_replica(cluster, reference,
                                                                    tiny_llama_dir):
     settings = _settings(tiny_llama_dir, hosts_per_replica=2)
-    placement = place_hosts(1, 2, settings.host_num_cpus)
-    group = start_replica(placement.replicas[0], settings.engine_config(),
+    placement = place_hosts(1, 2, settings.placement.host_num_cpus)
+    group = start_replica(placement.replicas[0], settings.engine,
                           follower_class=DivergentFollower)
     try:
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -353,8 +352,7 @@ def tpu_replica(cluster, tiny_llama_dir):
                     os.environ[key] = value
     cluster.wait_for_nodes()
     settings = _settings(tiny_llama_dir, hosts_per_replica=2, num_replicas=1)
-    placement, (group,) = start_replicas(
-        settings.engine_config(), PlacementConfig(1, 2, settings.host_num_cpus))
+    placement, (group,) = start_replicas(settings.engine, settings.placement)
     yield placement, group
     group.kill()
     placement.release()

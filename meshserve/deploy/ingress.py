@@ -91,7 +91,7 @@ class OpenAIIngress:
         self.router = router
         self.settings = settings
         self.model_name = settings.model_name()
-        self.tokenizer = load_tokenizer(settings.model)
+        self.tokenizer = load_tokenizer(settings.engine.model)
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
         self._info = None

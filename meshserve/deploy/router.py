@@ -28,7 +28,6 @@ from ray import serve
 from meshserve.actors.channel import next_batch
 from meshserve.actors.messages import Completion, GenerateSpec, HostInfo
 from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
-from meshserve.config import PlacementConfig
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.settings import ServeSettings
@@ -71,11 +70,7 @@ class Router:
         self.settings = settings
         self.channel = f"router-{uuid.uuid4().hex[:8]}"
         # The placement groups share this actor's fate: they go (with the hosts) when it does.
-        self.placement, groups = start_replicas(
-            settings.engine_config(), PlacementConfig(settings.num_replicas,
-                                                      settings.hosts_per_replica,
-                                                      settings.host_num_cpus))
-        self._engine_config = settings.engine_config()
+        self.placement, groups = start_replicas(settings.engine, settings.placement)
         self.replicas = [ReplicaState(group, i) for i, group in enumerate(groups)]
         self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica index
         self._turn = itertools.count()  # rotates ties, so idle replicas take turns
@@ -214,7 +209,7 @@ class Router:
         return lightest
 
     def _prefix_key(self, tokens: tuple[int, ...]) -> int | None:
-        span = AFFINITY_BLOCKS * self.settings.block_size
+        span = AFFINITY_BLOCKS * self.settings.engine.cache.block_size
         return hash(tokens[:span]) if len(tokens) > span else None
 
     async def _pump(self, replica: ReplicaState) -> None:
@@ -242,7 +237,7 @@ class Router:
         replica.group.kill()
         slots = self.placement.replicas[replica.index]
         while True:
-            group = start_replica(slots, self._engine_config)
+            group = start_replica(slots, self.settings.engine)
             try:
                 await group.ready()
                 break

@@ -1,79 +1,60 @@
-"""``ServeSettings``: every knob of a deployment, from CLI flags or a serveConfigV2 ``args`` map."""
+"""``ServeSettings``: every knob of a deployment, from CLI flags or a serveConfigV2 ``args`` map.
+
+A deployment is the engine every host runs (``EngineConfig``), where the hosts go
+(``PlacementConfig``) and a few settings of the HTTP edge. All of it is named flat, the same way
+on the command line (``--num-kv-blocks``) and in ``args`` (``num_kv_blocks``), and built through
+``meshserve.config.from_flat``, so a new engine setting reaches both without being written here.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from meshserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from meshserve.config import EngineConfig, PlacementConfig, from_flat, setting
+
+DEFAULT_API_KEY_ENV = "MESHSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    model: str | None = None  # a Hugging Face folder, a .gguf file, or None: the bundled model
-    served_model_name: str | None = None  # default: the folder or file name
-    device: str = "auto"
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    hosts_per_replica: int = 1
-    num_replicas: int = 1
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    compile_cache_dir: str | None = None
-    seed: int = 0
-    # CPUs each host actor reserves from Ray (on a TPU slice it also reserves its host's chips).
-    host_num_cpus: float = 1.0
-    max_queued_requests: int = 512  # past this the router answers 429
-    max_body_bytes: int = 4 * 2**20
-    api_key: str | None = None
-    api_key_env: str | None = None  # name of an environment variable holding the API key
+    engine: EngineConfig = setting("the engine every host runs", default_factory=EngineConfig)
+    placement: PlacementConfig = setting("where the host actors go",
+                                         default_factory=PlacementConfig)
+    served_model_name: str | None = setting(
+        "the model name clients must send (default: the folder or file name)", None)
+    max_queued_requests: int = setting(
+        "sequences in flight before the router answers 429", 512)
+    max_body_bytes: int = setting("largest HTTP request body accepted, in bytes", 4 * 2**20)
+    api_key: str | None = setting(
+        f"require this bearer token on /v1 routes (or set {DEFAULT_API_KEY_ENV})", None)
+    api_key_env: str | None = setting(
+        f"environment variable that holds the API key (default {DEFAULT_API_KEY_ENV})", None)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "hosts_per_replica", "num_replicas", "max_num_seqs",
-                     "max_num_batched_tokens", "max_queued_requests", "max_body_bytes"):
+        for name in ("max_queued_requests", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        self.engine_config()  # validates the engine's part
 
     @classmethod
-    def from_args(cls, args: dict | None) -> "ServeSettings":
-        """Build from an args map (serveConfigV2 / ``serve run``); unknown keys are an error."""
-        args = dict(args or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
-        return cls(**args)
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
-            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks,
-                              enable_prefix_caching=self.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=self.max_model_len),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            compile_cache_dir=self.compile_cache_dir)
+    def from_args(cls, args: Mapping[str, Any] | None) -> "ServeSettings":
+        """Build from a flat args map (serveConfigV2, ``serve run``, the CLI's flags); unknown
+        keys are an error."""
+        return from_flat(cls, dict(args or {}))
 
     def resolved_api_key(self) -> str | None:
         if self.api_key:
             return self.api_key
-        name = self.api_key_env or "MESHSERVE_API_KEY"
-        return os.environ.get(name) or None
+        return os.environ.get(self.api_key_env or DEFAULT_API_KEY_ENV) or None
 
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
         from meshserve.runner.loader import default_model_path
 
-        path = os.path.normpath(self.model or default_model_path())
+        path = os.path.normpath(self.engine.model or default_model_path())
         name = os.path.basename(path)
         return name.removesuffix(".gguf")

@@ -69,8 +69,8 @@ class EngineCore:
         block_size = cache.block_size
         model_max = self.loaded.config.max_position_embeddings
         wanted_len = min(sched.max_model_len or model_max, model_max)
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
+        if cache.num_kv_blocks is not None:
+            num_blocks = cache.num_kv_blocks
         else:
             budget = psutil.virtual_memory().available * cache.memory_fraction
             fits = int(budget // kv_bytes_per_block(self.loaded.config, block_size, dtype,

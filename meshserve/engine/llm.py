@@ -7,8 +7,9 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from meshserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from meshserve.config import EngineConfig
 from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
@@ -57,27 +58,17 @@ class RequestOutput:
 class LLM:
     """Generate from a batch of prompts on one local engine.
 
-    ``model=None`` serves the bundled SmolLM2-135M-Instruct. ``device`` is ``"cpu"`` (eager torch),
-    ``"xla"`` (torch_xla) or ``"auto"``; ``tensor_parallel_size`` / ``data_parallel_size`` shape the
-    device mesh on xla. Other arguments size the scheduler and the KV cache as in vLLM.
+    ``model=None`` serves the bundled SmolLM2-135M-Instruct. Every other engine setting is a
+    keyword named as in ``meshserve.config`` (and as the CLI's flags): ``device`` is ``"cpu"``
+    (eager torch), ``"xla"`` (torch_xla) or ``"auto"``; ``tensor_parallel_size`` /
+    ``data_parallel_size`` shape the device mesh on xla; ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``, ``max_model_len`` and
+    ``enable_prefix_caching`` size the scheduler and the KV cache as in vLLM. An unknown keyword
+    raises ``ValueError`` naming it.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto", *,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 seed: int = 0, **engine_kwargs) -> None:
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                    data_parallel_size=data_parallel_size),
-            **engine_kwargs)
+    def __init__(self, model: str | None = None, **engine_settings: Any) -> None:
+        config = EngineConfig.from_flat({"model": model, **engine_settings})
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()

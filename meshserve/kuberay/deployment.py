@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from meshserve.deploy.settings import DEFAULT_API_KEY_ENV
 from meshserve.kuberay.tpu import TpuSlice, resolve_slice
 
 # Placeholders that work as strings but point nowhere: render with --image/--bucket for real use.
@@ -18,7 +19,7 @@ DEFAULT_BUCKET = "my-project-meshserve"
 # Inside the pods: where the bucket's folders are mounted, and the API key's variable.
 WEIGHTS_MOUNT = "/models"
 CACHE_MOUNT = "/xla-cache"
-API_KEY_ENV = "MESHSERVE_API_KEY"
+API_KEY_ENV = DEFAULT_API_KEY_ENV
 # KubeRay rejects longer RayService names: the RayCluster it creates adds a 6-character suffix,
 # and "<cluster>-serve-svc" must still fit in a 63-character DNS label.
 MAX_NAME_LENGTH = 47
