@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -97,6 +97,14 @@ def attend_paged_rows(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return torch.einsum("nhgl,nlhd->nhgd", probs, values).reshape(rows, num_heads, head_dim)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """The per-step tensors every layer's attention reads, on the device, built once per step by
+    ``AttentionBackend.metadata``. Each implementation extends it with what its kernel needs."""
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot each token's new key/value is written to
+
+
 class AttentionBackend(ABC):
     """How one implementation lays out the KV cache, describes a step, and attends."""
 
@@ -107,18 +115,17 @@ class AttentionBackend(ABC):
         return [shape, shape]
 
     @abstractmethod
-    def metadata(self, layout: StepLayout, to_device: ToDevice) -> Any:
+    def metadata(self, layout: StepLayout, to_device: ToDevice) -> AttentionMetadata:
         """The per-step tensors every layer reads, copied to the device."""
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: KVCache, meta: Any, scale: float) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write the new ``key``/``value`` into the cache, then attend ``query`` ``[T, H, D]``."""
 
 
 @dataclass(frozen=True, slots=True)
-class RaggedMetadata:
-    slot_mapping: torch.Tensor  # [T]
+class RaggedMetadata(AttentionMetadata):
     decode_token_index: torch.Tensor  # [num_decodes] token index of each one-token row
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] keys each row sees
@@ -192,8 +199,7 @@ class TorchAttention(AttentionBackend):
 
 
 @dataclass(frozen=True, slots=True)
-class PaddedMetadata:
-    slot_mapping: torch.Tensor  # [T]
+class PaddedMetadata(AttentionMetadata):
     positions: torch.Tensor  # [T]
     block_tables: torch.Tensor  # [T, max_blocks] the block-table row of each token's request
 
@@ -217,8 +223,7 @@ class PaddedAttention(AttentionBackend):
 
 
 @dataclass(frozen=True, slots=True)
-class PallasMetadata:
-    slot_mapping: torch.Tensor  # [T]
+class PallasMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # [S] int32, S = max_num_seqs
     block_tables: torch.Tensor  # [S, max_blocks] int32
     query_start_loc: torch.Tensor  # [S + 1] int32

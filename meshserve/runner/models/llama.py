@@ -8,14 +8,12 @@ attention implementation chosen for the backend (``runner/attention.py``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshserve.config import ModelConfig
-from meshserve.runner.attention import AttentionBackend, KVCache
+from meshserve.runner.attention import AttentionBackend, AttentionMetadata, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +97,7 @@ class Attention(nn.Module):
         return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: Any) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self._project(x)
         q = apply_rotary(q.view(tokens, -1, self.head_dim), angles)  # [T, H, D]
@@ -138,7 +136,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: Any) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -164,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: Any) -> torch.Tensor:
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         angles = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
