@@ -62,7 +62,7 @@ class HostActor(EngineHost):
             try:
                 if spec.request_id in self._owner:
                     raise ValueError(f"request_id {spec.request_id!r} is already in use")
-                self.engine.validate_prompt(list(spec.prompt_token_ids))
+                self.engine.prompt_limits.check(spec.prompt_token_ids)
             except ValueError as exc:
                 errors.append(str(exc))
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshserve.contracts.prompt import PromptLimits
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
 
@@ -55,6 +56,11 @@ class HostInfo:
     block_size: int
     tpu_env: dict[str, str] = field(default_factory=dict)  # the TPU runtime variables it runs with
     pid: int = 0  # the actor's process, for operators (and fault-injection tests)
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        """What the host's engine accepts: the edge checks requests with it before routing."""
+        return PromptLimits(self.max_model_len, self.vocab_size)
 
 
 class HostError(RuntimeError):

@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshserve.actors.messages import HostInfo
+from meshserve.contracts.prompt import PromptError
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
@@ -94,12 +96,12 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(settings.engine.model)
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
-        self._info = None
+        self._info: HostInfo | None = None
         self._active: set[ChoiceRunner] = set()
         self._draining = False
 
     # ------------------------------------------------------------------ plumbing
-    async def _model_info(self):
+    async def _model_info(self) -> HostInfo:
         if self._info is None:
             if not await self.router.ready.remote():
                 raise APIError(503, "the model is still loading", kind="service_unavailable")
@@ -136,21 +138,17 @@ class OpenAIIngress:
                                 f"{self.model_name!r}", "model", "not_found_error")
         return body
 
-    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None, info) -> int:
-        """Validate prompt and max_tokens against the context; return the effective max_tokens."""
-        limit = info.max_model_len
-        longest = max(len(p) for p in prompts)
-        if longest >= limit:
-            raise APIError(400, f"the prompt has {longest} tokens; this model's context is "
-                                f"{limit} tokens", "prompt")
-        if any(t >= info.vocab_size or t < 0 for p in prompts for t in p):
-            raise APIError(400, f"token ids must be in [0, {info.vocab_size})", "prompt")
-        if max_tokens is None:
-            return limit - longest
-        if longest + max_tokens > limit:
-            raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {longest} tokens "
-                                f"exceeds this model's context of {limit} tokens", "max_tokens")
-        return max_tokens
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int | None,
+                       info: HostInfo) -> int:
+        """Check the prompts and max_tokens against the model's limits, as its hosts would;
+        return the effective max_tokens."""
+        limits = info.prompt_limits
+        try:
+            for prompt in prompts:
+                limits.check(prompt)
+            return limits.max_tokens(max(len(p) for p in prompts), max_tokens)
+        except PromptError as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:

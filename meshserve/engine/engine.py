@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from meshserve.config import EngineConfig
+from meshserve.contracts.prompt import PromptLimits
 from meshserve.contracts.sampling import FinishReason, SamplingParams
 from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
@@ -55,6 +56,7 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
+        self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
         logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                     time.perf_counter() - start, self.loaded.name, self.backend.name,
                     num_blocks, config.cache.block_size, self.max_model_len)
@@ -93,20 +95,9 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     sample_index: int = 0) -> None:
         """Queue a request; invalid input raises ValueError and changes nothing."""
-        self.validate_prompt(prompt_token_ids)
+        self.prompt_limits.check(prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add_request(request, sample_index)
-
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if len(prompt_token_ids) == 0:
-            raise ValueError("prompt: must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}")
-        vocab = self.loaded.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

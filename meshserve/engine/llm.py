@@ -79,7 +79,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         token_lists, texts = self._tokenize(prompts)
         for tokens in token_lists:  # validate everything before queueing anything
-            self.engine.validate_prompt(tokens)
+            self.engine.prompt_limits.check(tokens)
         outputs: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalDetokenizer]] = {}
         for tokens, text in zip(token_lists, texts):
