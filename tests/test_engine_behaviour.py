@@ -159,7 +159,7 @@ def test_multibyte_text_is_never_split(llm: LLM) -> None:
     tok = llm.tokenizer
     text = "naïve café — 東京 🙂"
     ids = tok.encode(text, add_special_tokens=False)
-    from meshserve.engine.detokenizer import IncrementalDetokenizer
+    from meshserve.text.detokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tok, [tok.encode("x")[0]], SamplingParams())
     pieces = [detok.add([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]

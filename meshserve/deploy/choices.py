@@ -12,23 +12,21 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshserve.actors.messages import GenerateSpec
-from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
+from meshserve.text.detokenizer import Tokenizer
+from meshserve.text.sequence import SequenceText
 
 
-@dataclass
-class ChoiceState:
+@dataclass(kw_only=True)
+class ChoiceState(SequenceText):
+    """One choice: its sequence's text and tokens, and where it stands in the request."""
+
     index: int
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    # per token: (sampled logprob, [(token id, logprob), ...] top entries)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
     first_token_at: float | None = None
 
 
@@ -39,20 +37,22 @@ class ChoiceEvent:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]]]
+    logprobs: list[TokenLogprobs]
     finish_reason: str | None
 
 
 class ChoiceRunner:
     """Runs the sequences of one request against the router and tracks their state."""
 
-    def __init__(self, router, tokenizer, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, router, tokenizer: Tokenizer, prompts: list[list[int]],
+                 params: SamplingParams) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.params = params
         self.request_id = uuid.uuid4().hex
         self.started = time.monotonic()
-        self.choices = [ChoiceState(i * params.n + j, prompt)
+        self.choices = [ChoiceState.start(tokenizer, prompt, params, index=i * params.n + j,
+                                          prompt_token_ids=prompt)
                         for i, prompt in enumerate(prompts) for j in range(params.n)]
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
@@ -111,7 +111,6 @@ class ChoiceRunner:
         queue = self._queue
         spec = GenerateSpec(f"{self.request_id}-{choice.index}", tuple(choice.prompt_token_ids),
                             self.params, sample_index=choice.index % self.params.n)
-        detok = IncrementalDetokenizer(self.tokenizer, choice.prompt_token_ids, self.params)
         stream = self.router.options(stream=True).generate_stream.remote(spec)
         first = True
         try:
@@ -120,7 +119,7 @@ class ChoiceRunner:
                     first = False
                     self._first_response()
                 for delta in batch:
-                    event = self._apply(choice, detok, delta)
+                    event = self._apply(choice, delta)
                     queue.put_nowait(event)
                     if event.finish_reason is not None:
                         return
@@ -132,30 +131,17 @@ class ChoiceRunner:
         finally:
             if first:  # cancelled before any answer
                 self._first_response()
-            if choice.finish_reason is None or detok.stopped:
+            if choice.finish_reason is None or choice.stopped:
                 stream.cancel()  # stop string, error or disconnect: the router aborts the host
             queue.put_nowait(None)
 
-    def _apply(self, choice: ChoiceState, detok: IncrementalDetokenizer, delta) -> ChoiceEvent:
+    @staticmethod
+    def _apply(choice: ChoiceState, delta: TokenDelta) -> ChoiceEvent:
         if choice.first_token_at is None:
             choice.first_token_at = time.monotonic()
-        tokens = list(delta.token_ids)
-        choice.token_ids.extend(tokens)
-        choice.num_cached_tokens = delta.num_cached_tokens
-        logprobs = []
-        if delta.logprobs is not None:
-            for sampled, top_ids, top_lps in delta.logprobs:
-                logprobs.append((sampled, list(zip(top_ids, top_lps))))
-        choice.logprobs.extend(logprobs)
-        text = detok.add(tokens, delta.finish_reason is not None)
-        choice.text += text
-        reason = delta.finish_reason
-        if detok.stopped:
-            reason = "stop"
-        elif reason == "abort":
-            reason = "abort"
-        choice.finish_reason = reason
-        return ChoiceEvent(choice.index, text, tokens, logprobs, reason)
+        text = choice.apply(delta)
+        return ChoiceEvent(choice.index, text, list(delta.token_ids), list(delta.logprobs or ()),
+                           choice.finish_reason)
 
     # ------------------------------------------------------------------ summaries
     @property

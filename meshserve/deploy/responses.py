@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.deploy.choices import ChoiceEvent, ChoiceRunner
 from meshserve.deploy.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -43,16 +44,17 @@ class CompletionView:
         self.body, self.model, self.runner = body, model, runner
         self.id, self.created = new_id("cmpl"), now()
 
-    def _logprobs(self, tokens: list[int], logprobs, offset: int) -> CompletionLogprobs | None:
+    def _logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs],
+                  offset: int) -> CompletionLogprobs | None:
         if self.body.logprobs is None:
             return None
         decode = self.runner.decode_token
         out = CompletionLogprobs()
-        for token, (sampled, top) in zip(tokens, logprobs):
+        for token, (sampled, top_ids, top_lps) in zip(tokens, logprobs):
             text = decode(token)
             out.tokens.append(text)
             out.token_logprobs.append(sampled)
-            out.top_logprobs.append({decode(t): lp for t, lp in top})
+            out.top_logprobs.append({decode(t): lp for t, lp in zip(top_ids, top_lps)})
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -103,7 +105,7 @@ class ChatView:
         self.body, self.model, self.runner = body, model, runner
         self.id, self.created = new_id("chatcmpl"), now()
 
-    def _logprobs(self, tokens: list[int], logprobs) -> ChatLogprobs | None:
+    def _logprobs(self, tokens: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
         decode = self.runner.decode_token
@@ -113,8 +115,9 @@ class ChatView:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
         content = [ChatTokenLogprob(**entry(token, sampled),
-                                    top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in top])
-                   for token, (sampled, top) in zip(tokens, logprobs)]
+                                    top_logprobs=[TopLogprob(**entry(t, lp))
+                                                  for t, lp in zip(top_ids, top_lps)])
+                   for token, (sampled, top_ids, top_lps) in zip(tokens, logprobs)]
         return ChatLogprobs(content=content)
 
     def final(self, runner: ChoiceRunner) -> ChatCompletionResponse:

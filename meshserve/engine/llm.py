@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshserve.config import EngineConfig
-from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.contracts.sampling import SamplingParams
-from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
+from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.engine.engine import EngineCore
+from meshserve.text.sequence import SequenceText
 
 logger = logging.getLogger("meshserve.llm")
 
@@ -81,50 +81,49 @@ class LLM:
         for tokens in token_lists:  # validate everything before queueing anything
             self.engine.prompt_limits.check(tokens)
         outputs: list[RequestOutput] = []
-        states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalDetokenizer]] = {}
+        states: dict[str, tuple[RequestOutput, SequenceText]] = {}
         for tokens, text in zip(token_lists, texts):
             base = str(next(self._ids))
             out = RequestOutput(base, text, list(tokens), [])
             outputs.append(out)
             for index in range(params.n):
                 request_id = f"{base}-{index}"
-                completion = CompletionOutput(index, "", [], [] if params.logprobs is not None
-                                              else None, None)
-                out.outputs.append(completion)
-                states[request_id] = (out, completion,
-                                      IncrementalDetokenizer(self.tokenizer, tokens, params))
+                states[request_id] = (out, SequenceText.start(self.tokenizer, tokens, params))
                 self.engine.add_request(request_id, list(tokens), params, sample_index=index)
         start, done = time.perf_counter(), 0
         while self.engine.has_unfinished:
             for delta in self.engine.step():
-                out, completion, detok = states[delta.request_id]
-                self._apply(delta, out, completion, detok)
-                if completion.finish_reason is not None:
+                out, sequence = states[delta.request_id]
+                sequence.apply(delta)
+                out.num_cached_tokens = delta.num_cached_tokens
+                if sequence.stopped:  # a stop string: the engine is still generating it
+                    self.engine.abort(delta.request_id)
+                if sequence.finish_reason is not None:
                     done += 1
                     if use_tqdm:
                         print(f"\rgenerated {done}/{len(states)} in "
                               f"{time.perf_counter() - start:.1f}s", end="", file=sys.stderr)
         if use_tqdm:
             print(file=sys.stderr)
+        for out, sequence in states.values():  # in insertion order: sample 0, 1, ... per prompt
+            out.outputs.append(self._completion(len(out.outputs), sequence, params))
         for out in outputs:
             out.finished = True
         return outputs
 
-    def _apply(self, delta: TokenDelta, out: RequestOutput, completion: CompletionOutput,
-               detok: IncrementalDetokenizer) -> None:
-        completion.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.extend(self._logprob_dict(t, lp) for t, lp in
-                                       zip(delta.token_ids, delta.logprobs))
-        out.num_cached_tokens = delta.num_cached_tokens
-        completion.text += detok.add(list(delta.token_ids), delta.finish_reason is not None)
-        if detok.stopped and delta.finish_reason is None:
-            self.engine.abort(delta.request_id)
-            completion.finish_reason, completion.stop_reason = "stop", "stop string"
-        elif delta.finish_reason is not None:
-            completion.finish_reason = delta.finish_reason
-            if delta.finish_reason == "stop":
-                completion.stop_reason = delta.token_ids[-1]
+    def _completion(self, index: int, sequence: SequenceText,
+                    params: SamplingParams) -> CompletionOutput:
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [self._logprob_dict(t, lp)
+                        for t, lp in zip(sequence.token_ids, sequence.logprobs)]
+        stop_reason: int | str | None = None
+        if sequence.stopped:
+            stop_reason = "stop string"
+        elif sequence.finish_reason == "stop":  # eos or a stop token id: the last token
+            stop_reason = sequence.token_ids[-1]
+        return CompletionOutput(index, sequence.text, sequence.token_ids, logprobs,
+                                sequence.finish_reason, stop_reason)
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         sampled, top_ids, top_lps = lp

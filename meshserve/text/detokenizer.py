@@ -8,13 +8,22 @@ incomplete character (U+FFFD).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from meshserve.contracts.sampling import SamplingParams
 
 _WINDOW = 6  # tokens of context before the unread ones; enough for any merge we have seen
 
 
+class Tokenizer(Protocol):
+    """What detokenization needs of a tokenizer; transformers' tokenizers have it."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.params = params
         self.tokens = list(prompt_token_ids[-_WINDOW:])
