@@ -165,3 +165,21 @@ def test_multibyte_text_is_never_split(llm: LLM) -> None:
     pieces = [detok.add([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
     assert "".join(pieces) == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_sequence_text_ends_at_a_stop_string_found_at_the_edge(llm: LLM) -> None:
+    from meshserve.contracts import TokenDelta
+    from meshserve.deploy.choices import ChoiceState
+
+    tok = llm.tokenizer
+    prompt = tok.encode("x")
+    params = SamplingParams(stop=["brown"], logprobs=0)
+    choice = ChoiceState.start(tok, prompt, params, index=3, prompt_token_ids=prompt)
+    released = ""
+    for token in tok.encode(" the quick brown fox jumps", add_special_tokens=False):
+        released += choice.apply(TokenDelta("r", (token,), ((-0.5, (), ()),), None, 1, 0))
+        if choice.stopped:
+            break
+    assert choice.stopped and choice.finish_reason == "stop"
+    assert released == choice.text == " the quick "
+    assert len(choice.logprobs) == len(choice.token_ids) and choice.index == 3

@@ -29,9 +29,9 @@ class SequenceText:
 
     @classmethod
     def start(cls: type[S], tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-              params: SamplingParams, **fields: Any) -> S:
-        """A sequence about to be generated after ``prompt_token_ids`` (``fields``: those a
-        subclass adds)."""
+              params: SamplingParams, /, **fields: Any) -> S:
+        """A sequence about to be generated after ``prompt_token_ids``; ``fields`` are those a
+        subclass adds (positional-only parameters above leave every field name free)."""
         return cls(IncrementalDetokenizer(tokenizer, list(prompt_token_ids), params), **fields)
 
     @property
