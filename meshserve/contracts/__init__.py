@@ -2,7 +2,8 @@
 
 - ``sampling``: what a request asks for (``SamplingParams``, ``MAX_LOGPROBS``, ``FinishReason``);
 - ``step``: scheduler → runner and back (``SchedulerOutput``, ``RunnerOutput``);
-- ``tokens``: engine → host actor → router → edge (``TokenDelta``, ``TokenLogprobs``, ``EngineStats``);
+- ``tokens``: engine → host actor → router → edge (``TokenDelta``, ``TokenLogprobs``,
+  ``EngineStats``);
 - ``prompt``: the checks of a prompt against a model's limits (``PromptLimits``, ``PromptError``).
 
 The runner, the host actors and the router import these, never the scheduler or the engine loop.

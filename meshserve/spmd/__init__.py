@@ -1,0 +1,1 @@
+"""Where tensors live: the eager and XLA backends, the device mesh, the partition specs."""
