@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshserve.actors.host import HostActor, start_host
     from meshserve.actors.lockstep import FollowerHost
-    from meshserve.actors.messages import Completion, GenerateSpec, HostError, HostInfo
+    from meshserve.actors.messages import (Completion, GenerateSpec, HostError, HostInfo,
+                                           RequestRejected, RouterOverloaded)
     from meshserve.actors.placement import Placement, place_hosts
     from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
 
 # Resolved on first use: the wire types in ``messages`` must stay importable without loading Ray,
 # torch and the engine that the actors themselves need.
 _LAZY = {
-    **dict.fromkeys(("Completion", "GenerateSpec", "HostError", "HostInfo"),
-                    "meshserve.actors.messages"),
+    **dict.fromkeys(("Completion", "GenerateSpec", "HostError", "HostInfo", "RequestRejected",
+                     "RouterOverloaded"), "meshserve.actors.messages"),
     **dict.fromkeys(("HostActor", "start_host"), "meshserve.actors.host"),
     "FollowerHost": "meshserve.actors.lockstep",
     **dict.fromkeys(("Placement", "place_hosts"), "meshserve.actors.placement"),
@@ -35,8 +36,8 @@ _LAZY = {
 }
 
 __all__ = ["Completion", "FollowerHost", "GenerateSpec", "HostActor", "HostError", "HostInfo",
-           "Placement", "ReplicaGroup", "place_hosts", "start_host", "start_replica",
-           "start_replicas"]
+           "Placement", "ReplicaGroup", "RequestRejected", "RouterOverloaded", "place_hosts",
+           "start_host", "start_replica", "start_replicas"]
 
 
 def __getattr__(name: str) -> Any:

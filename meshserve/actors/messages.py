@@ -1,4 +1,5 @@
-"""What routers, Ray programs and host actors send each other: plain, picklable dataclasses.
+"""What routers, Ray programs and host actors send each other: plain, picklable dataclasses, and
+the errors they raise to each other.
 
 Importing this module loads neither torch nor the engine, so the router and the HTTP edge can
 name these types without the stack behind a host.
@@ -65,3 +66,11 @@ class HostInfo:
 
 class HostError(RuntimeError):
     """The engine of a host failed (or its replica fell out of step); its requests are lost."""
+
+
+class RouterOverloaded(RuntimeError):
+    """The router's queue is full; the client should retry later."""
+
+
+class RequestRejected(ValueError):
+    """A host refused a request as invalid (the message says why)."""

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.actors.messages import HostInfo
+from meshserve.actors.messages import HostInfo, RequestRejected, RouterOverloaded
 from meshserve.contracts.prompt import PromptError
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.deploy import responses
@@ -28,7 +28,6 @@ from meshserve.deploy.choices import ChoiceRunner
 from meshserve.deploy.metrics import ServingMetrics
 from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                        ModelList, now)
-from meshserve.deploy.router import RequestRejected, RouterOverloaded
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 from meshserve.runner.loader import load_tokenizer

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from ray import serve
 
 from meshserve.actors.channel import next_batch
-from meshserve.actors.messages import Completion, GenerateSpec, HostInfo
+from meshserve.actors.messages import (Completion, GenerateSpec, HostInfo, RequestRejected,
+                                      RouterOverloaded)
 from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.contracts.tokens import TokenDelta
@@ -37,14 +38,6 @@ bind_serve_grpc_to_node_ip()
 
 AFFINITY_BLOCKS = 4  # prompts sharing this many leading KV blocks are steered together
 AFFINITY_SLACK = 2.0  # ...unless that replica carries more than this times the lightest load
-
-
-class RouterOverloaded(RuntimeError):
-    """The router's queue is full; the client should retry later."""
-
-
-class RequestRejected(ValueError):
-    """A host refused a request as invalid (the message says why)."""
 
 
 class ReplicaFailed(RuntimeError):
