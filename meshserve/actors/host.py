@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("meshserve.host")
 
+
 class HostActor(EngineHost):
     """Owns an engine on one host and serves it. Start it with ``start_host`` (or
     ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica."""

@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench serve`` on a CLI; the handler is ``args.func(args) -> int``."""
     bench = subparsers.add_parser("bench", help="benchmarks")

@@ -16,6 +16,7 @@ import numpy as np
 
 from meshserve.benchmark.results import PERCENTILES, BenchResult
 
+
 def format_table(result: BenchResult) -> str:
     """A human-readable summary of one run."""
     s, c = result.summary(), result.config

@@ -7,6 +7,7 @@ from typing import Any
 
 from meshserve.benchmark.results import RequestResult
 
+
 class SSEDecoder:
     """Incremental server-sent-events parser: bytes in any split, event data strings out.
 

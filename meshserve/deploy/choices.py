@@ -2,8 +2,8 @@
 
 One OpenAI request with several prompts and ``n`` samples becomes ``prompts × n`` sequences
 (choice ``i * n + j``), each its own router stream; this module runs them concurrently and yields
-``ChoiceEvent`` s in arrival order. Text, stop strings and logprob formatting live here, at the
-edge: the router and hosts only see token ids.
+``ChoiceEvent`` s in arrival order. Each choice is a ``meshserve.text.SequenceText``: text and
+stop strings are applied here, at the edge; the router and hosts only see token ids.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True, slots=True)
 class MachineType:
     """A GKE TPU VM shape: how many chips one Kubernetes node (one pod) owns."""
