@@ -25,10 +25,10 @@ from meshserve.contracts.prompt import PromptError
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
+from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.metrics import ServingMetrics
 from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                        ModelList, now)
-from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 from meshserve.runner.loader import load_tokenizer
 

@@ -29,8 +29,8 @@ from meshserve.actors.channel import next_batch
 from meshserve.actors.messages import (Completion, GenerateSpec, HostInfo, RequestRejected,
                                       RouterOverloaded)
 from meshserve.actors.replica import ReplicaGroup, start_replica, start_replicas
-from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.contracts.tokens import TokenDelta
+from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
 
 logger = logging.getLogger("meshserve.router")
