@@ -133,12 +133,66 @@ def test_manifest_passes_kuberay_rules(manifest: dict[str, Any]) -> None:
     # The head is CPU-only and advertises no CPUs to Ray, so no model work lands there.
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert "google.com/tpu" not in str(head)
+    head_container = head["template"]["spec"]["containers"][0]
+    assert "livenessProbe" not in head_container and "readinessProbe" not in head_container
     for group in cluster["workerGroupSpecs"]:
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         assert "resources" not in group  # conflicts with rayStartParams resources in KubeRay
         container = group["template"]["spec"]["containers"][0]
-        # KubeRay injects its own warm-up-tolerant probes only where none are given.
-        assert "livenessProbe" not in container and "readinessProbe" not in container
+        # KubeRay injects its warm-up-tolerant liveness probe only where none is given.
+        assert "livenessProbe" not in container
+
+
+# --- A slice recreated whole; a stalled request path leaves the Service ---------------------
+
+
+def worker_pod(manifest: dict[str, Any]) -> dict[str, Any]:
+    (group,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group["template"]
+
+
+@pytest.mark.parametrize("accelerator, topology", ALL_SLICES)
+def test_multi_host_slices_fail_whole_pods_and_leave_the_slice_labels_to_kuberay(
+        accelerator: str, topology: str) -> None:
+    d = Deployment(accelerator, topology, "/models/m")
+    template = worker_pod(render(d))
+    if d.tpu_slice.hosts > 1:
+        # KubeRay deletes (and, with the gate, recreates the slice of) failed pods only; under
+        # restartPolicy Always a host's Ray container would come back alone in its old pod.
+        assert template["spec"]["restartPolicy"] == "Never"
+    else:
+        assert "restartPolicy" not in template["spec"]  # a lone host restarts in place
+    # The replica name and host index are KubeRay's to set; pods without them are not grouped.
+    assert not any(key.startswith("ray.io/") for key in template.get("metadata", {})
+                   .get("labels", {}))
+    args = yaml.safe_load(render(d)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "num_kv_blocks" not in args  # the hosts agree on a cache size by themselves
+
+
+@pytest.mark.parametrize("filename", sorted(EXAMPLES))
+def test_multi_host_manifest_names_the_gate_and_the_kuberay_version(filename: str) -> None:
+    text = (K8S_DIR / filename).read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    multi_host = EXAMPLES[filename].tpu_slice.hosts > 1
+    assert ("RayMultiHostIndexing" in header) == multi_host
+    assert ("KubeRay >= 1.6.0" in header) == multi_host
+    assert (committed()[filename]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]
+            ["spec"].get("restartPolicy") == "Never") == multi_host
+
+
+@pytest.mark.parametrize("manifest", all_manifests(), ids=lambda m: m["metadata"]["name"])
+def test_worker_readiness_runs_a_completion_through_the_proxy(manifest: dict[str, Any]) -> None:
+    container = worker_pod(manifest)["spec"]["containers"][0]
+    probe = container["readinessProbe"]
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "meshserve.kuberay.probe"]
+    flags = dict(zip(command[3::2], command[4::2]))
+    args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert flags["--model"] == args["served_model_name"]
+    assert int(flags["--port"]) == container["ports"][0]["containerPort"] == 8000
+    # The kubelet must not cut the probe off before its own deadline reports what failed.
+    assert probe["timeoutSeconds"] > float(flags["--deadline"])
+    assert probe["periodSeconds"] >= float(flags["--deadline"])  # runs never overlap
 
 
 # --- Topology -------------------------------------------------------------------------------

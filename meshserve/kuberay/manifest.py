@@ -25,6 +25,25 @@ APP_NAME = "meshserve"
 SERVICE_ACCOUNT = "meshserve"
 SERVE_PORT = 8000
 
+# Atomic slice recreation (KubeRay PRs #3998, #4163, #4572): with this operator feature gate on and
+# numOfHosts > 1, KubeRay labels every pod of a worker-group replica with the replica's name and
+# the pod's host index, and when one pod of a replica fails it deletes all of them and creates the
+# slice anew. Alpha (off by default) in 1.5, beta and on by default from 1.6.
+SLICE_RECREATION_GATE = "RayMultiHostIndexing"
+MIN_KUBERAY_VERSION = "1.6.0"
+# The labels KubeRay sets on each multi-host worker pod, and groups the pods of a slice by. It
+# ignores multi-host pods that lack them, so the manifest never sets them itself.
+REPLICA_NAME_LABEL = "ray.io/worker-group-replica-name"
+REPLICA_INDEX_LABEL = "ray.io/worker-group-replica-index"
+HOST_INDEX_LABEL = "ray.io/replica-host-index"
+
+# The TPU workers' readiness probe (probe.py): KubeRay's raylet check plus a one-token completion
+# through the pod's Serve proxy. Timeouts sit above the probe's own deadline so that the kubelet
+# sees its message; two failures in a row (about 20 s of stall) take the pod out of the Service.
+PROBE_DEADLINE_S = 10
+PROBE_PERIOD_S = 10
+PROBE_FAILURES = 2
+
 
 def app_args(d: Deployment) -> dict[str, Any]:
     """The ``args`` of the Serve application: what ``build_app`` receives."""
@@ -112,6 +131,17 @@ def _head_group(d: Deployment) -> dict[str, Any]:
     }
 
 
+def _readiness_probe(d: Deployment) -> dict[str, Any]:
+    return {
+        "exec": {"command": ["python", "-m", "meshserve.kuberay.probe", "--model", d.model_name,
+                             "--port", str(SERVE_PORT), "--deadline", str(PROBE_DEADLINE_S)]},
+        "initialDelaySeconds": PROBE_PERIOD_S,
+        "periodSeconds": PROBE_PERIOD_S,
+        "timeoutSeconds": PROBE_DEADLINE_S + 5,
+        "failureThreshold": PROBE_FAILURES,
+    }
+
+
 def _worker_group(d: Deployment) -> dict[str, Any]:
     tpu = d.tpu_slice
     chips = str(tpu.machine.chips)
@@ -126,8 +156,10 @@ def _worker_group(d: Deployment) -> dict[str, Any]:
             "requests": {"cpu": cpu, "memory": memory, "google.com/tpu": chips},
             "limits": {"cpu": cpu, "memory": memory, "google.com/tpu": chips},
         },
-        # KubeRay's readiness probe for RayService workers checks the Serve proxy on this port.
         "ports": [{"name": "serve", "containerPort": SERVE_PORT}],
+        # Given here, so KubeRay injects only its liveness probe (the raylet, which warm-up never
+        # trips); readiness asks for a completed request, so a stalled path leaves the Service.
+        "readinessProbe": _readiness_probe(d),
         "volumeMounts": [
             {"name": "shared-mem", "mountPath": "/dev/shm"},
             {"name": "weights", "mountPath": WEIGHTS_MOUNT, "readOnly": True},
@@ -136,6 +168,25 @@ def _worker_group(d: Deployment) -> dict[str, Any]:
     }
     if env := _api_key_env(d):
         container["env"] = env
+    pod: dict[str, Any] = {
+        "serviceAccountName": SERVICE_ACCOUNT,
+        "nodeSelector": {
+            "cloud.google.com/gke-tpu-accelerator": tpu.generation.gke_accelerator,
+            "cloud.google.com/gke-tpu-topology": tpu.topology,
+        },
+        "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+        "volumes": [
+            _shm_volume(),
+            _gcs_volume("weights", d.bucket, "models", read_only=True),
+            _gcs_volume("xla-cache", d.bucket, "xla-cache", read_only=False),
+        ],
+    }
+    if tpu.hosts > 1:
+        # A host whose Ray container exits must fail its pod: KubeRay deletes only failed pods,
+        # and then (RayMultiHostIndexing) the whole slice with it. Under the default "Always"
+        # the kubelet would restart the container in place, beside hosts whose slice is gone.
+        pod["restartPolicy"] = "Never"
     return {
         "groupName": f"tpu-{d.accelerator}-{d.topology}",
         # No autoscaling: a replica is a whole slice, so the group is pinned to `replicas`.
@@ -152,21 +203,7 @@ def _worker_group(d: Deployment) -> dict[str, Any]:
                 "gke-gcsfuse/memory-limit": "0",
                 "gke-gcsfuse/ephemeral-storage-limit": "0",
             }},
-            "spec": {
-                "serviceAccountName": SERVICE_ACCOUNT,
-                "nodeSelector": {
-                    "cloud.google.com/gke-tpu-accelerator": tpu.generation.gke_accelerator,
-                    "cloud.google.com/gke-tpu-topology": tpu.topology,
-                },
-                "tolerations": [{"key": "google.com/tpu", "operator": "Exists",
-                                 "effect": "NoSchedule"}],
-                "containers": [container],
-                "volumes": [
-                    _shm_volume(),
-                    _gcs_volume("weights", d.bucket, "models", read_only=True),
-                    _gcs_volume("xla-cache", d.bucket, "xla-cache", read_only=False),
-                ],
-            },
+            "spec": pod,
         },
     }
 
@@ -236,5 +273,10 @@ def to_yaml(d: Deployment) -> str:
     header = [f"Rendered by: {command_line(d)}",
               "TPU node pool(s) it schedules onto:"]
     header += [f"  {command}" for command in node_pool_commands(d)]
+    if d.tpu_slice.hosts > 1:
+        header += [f"Needs KubeRay >= {MIN_KUBERAY_VERSION} with the {SLICE_RECREATION_GATE} "
+                   "feature gate on (the default from 1.6),",
+                   "so that a slice whose host fails is recreated whole (k8s/README.md, "
+                   "\"When a host of a slice dies\")."]
     body = yaml.dump(render(d), Dumper=_Dumper, sort_keys=False, width=100)
     return "".join(f"# {line}\n" for line in header) + body
