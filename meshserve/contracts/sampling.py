@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from meshserve.contracts.structured import StructuredOutputParams
+
 # The most top logprobs a request may ask for. The runner gathers this many in its compiled
 # sampling graph whatever a request wants, so the limit is a graph dimension, not just a check.
 MAX_LOGPROBS = 20
@@ -18,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    GRAMMAR = "grammar"  # the request's structured-output grammar allows no further token
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters. ``seed`` makes
     a request reproducible whatever else shares its batch. ``logprobs=k`` returns the log
     probabilities of the sampled token and the ``k`` most likely tokens of the unmodified model
-    distribution.
+    distribution (under the grammar's mask for a constrained request, as in vLLM).
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (``StructuredOutputParams``).
     """
 
     n: int = 1
@@ -46,6 +51,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         # Accept the shapes users pass to vLLM (a str or list for stop, lists for ids).
@@ -90,6 +96,10 @@ class SamplingParams:
             fail("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must hold non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputParams):
+            fail("structured_outputs", "must be a StructuredOutputParams, got "
+                                       f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshserve.contracts.sampling import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from meshserve.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +34,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, last admission
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    grammar: GrammarState | None = None  # structured output: the matcher, on the host only
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether the scheduler may admit it: a constrained request waits for its grammar."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +61,8 @@ class Request:
             self.finish_reason, self.stop_token_id = FinishReason.STOP, token_id
         elif token_id in params.stop_token_ids:
             self.finish_reason, self.stop_token_id = FinishReason.STOP, token_id
+        elif self.grammar is not None and self.grammar.finish_reason is not None:
+            self.finish_reason = self.grammar.finish_reason  # the grammar allows nothing further
         elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

@@ -98,7 +98,10 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+            # The first that may run: a request whose grammar still compiles lets others pass.
+            request = next((r for r in self.waiting if r.schedulable), None)
+            if request is None:
+                break
             cached = self.block_manager.find_cached_prefix(request)
             request.num_computed_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -106,7 +109,7 @@ class Scheduler:
             if blocks is None:
                 request.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             stats = self.block_manager.stats
             stats.queried_tokens += request.num_tokens
             stats.hit_tokens += request.num_computed_tokens
