@@ -24,6 +24,7 @@ from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.loader import LoadedModel, load_model
 from meshserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from meshserve.spmd.backend import create_backend
+from meshserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("meshserve.engine")
 
@@ -57,6 +58,8 @@ class EngineCore:
         self.scheduler = Scheduler(sched, self.block_manager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
         self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
+        self.structured = StructuredOutputManager(self.loaded.tokenizer,
+                                                  self.loaded.config.vocab_size, self.eos_token_ids)
         logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                     time.perf_counter() - start, self.loaded.name, self.backend.name,
                     num_blocks, config.cache.block_size, self.max_model_len)
@@ -96,7 +99,9 @@ class EngineCore:
                     sample_index: int = 0) -> None:
         """Queue a request; invalid input raises ValueError and changes nothing."""
         self.prompt_limits.check(prompt_token_ids)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        # A constrained request's grammar starts compiling now; the scheduler admits it when done.
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                          grammar=self.structured.start(params))
         self.scheduler.add_request(request, sample_index)
 
     def abort(self, request_id: str) -> bool:
@@ -109,9 +114,17 @@ class EngineCore:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[TokenDelta]:
         """Schedule, execute and apply one step; return what changed."""
-        step = self.scheduler.schedule()
+        step = self.schedule()
         output = self.execute(step)
         return self.apply(step, output)
+
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, carrying the grammar masks of the constrained requests it
+        samples: what the lead of a multi-host replica broadcasts."""
+        step = self.scheduler.schedule()
+        if step.is_empty:  # what waits, waits for its grammar: block on that, not spin
+            self.structured.wait_for_grammars(self.scheduler.waiting)
+        return self.structured.attach_bitmask(step, self.scheduler.requests)
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run a step on this host's runner (followers of a multi-host replica call only this)."""
@@ -120,6 +133,7 @@ class EngineCore:
         return self.runner.execute(step)
 
     def apply(self, step: SchedulerOutput, output: RunnerOutput) -> list[TokenDelta]:
+        self.structured.accept(output, self.scheduler.requests)  # before update reads the grammars
         deltas = []
         for request in self.scheduler.update(step, output):
             lp = output.logprobs.get(request.request_id)
