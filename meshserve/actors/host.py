@@ -151,7 +151,7 @@ class HostActor(EngineHost):
     def _step(self) -> list[TokenDelta]:
         if self._lockstep is None:
             return self.engine.step()
-        step = self.engine.scheduler.schedule()
+        step = self.engine.schedule()  # with the grammar masks the followers apply too
         return self.engine.apply(step, self._lockstep.execute(self.engine, step))
 
     def _drain_inbox(self, block: bool) -> None:
