@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_DEVICES = ("auto", "cpu", "xla")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 Config = TypeVar("Config")
 
@@ -164,6 +165,11 @@ class EngineConfig:
 
     model: str | None = setting(
         "Hugging Face folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)", None)
+    generation_config: str = setting(
+        "sampling defaults for requests that leave a field unset; auto: the model's own "
+        "(generation_config.json, or GGUF general.sampling.* metadata); vllm: the neutral ones "
+        "(temperature 1, top_p 1, no top_k), as vLLM's --generation-config", "auto",
+        choices=GENERATION_CONFIGS)
     dtype: str = setting("weights and activations; auto keeps the checkpoint's", "auto",
                          choices=SUPPORTED_DTYPES)
     device: str = setting("cpu: eager torch; xla: torch_xla (a TPU, else PJRT CPU); auto: xla "
@@ -180,6 +186,8 @@ class EngineConfig:
                  f"{self.dtype!r} is not one of {', '.join(SUPPORTED_DTYPES)}")
         _require(self.device in SUPPORTED_DEVICES, "device",
                  f"{self.device!r} is not one of {', '.join(SUPPORTED_DEVICES)}")
+        _require(self.generation_config in GENERATION_CONFIGS, "generation_config",
+                 f"{self.generation_config!r} is not one of {', '.join(GENERATION_CONFIGS)}")
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any]) -> "EngineConfig":

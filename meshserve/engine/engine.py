@@ -7,6 +7,7 @@ It joins the device-free scheduler and the device-bound runner, and speaks token
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
 from meshserve.engine.block_manager import BlockManager
 from meshserve.engine.request import Request
 from meshserve.engine.scheduler import Scheduler
-from meshserve.runner.loader import LoadedModel, load_model
+from meshserve.runner.loader import LoadedModel, generation_defaults, load_model
 from meshserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 from meshserve.spmd.backend import create_backend
 from meshserve.structured.manager import StructuredOutputManager
@@ -60,6 +61,12 @@ class EngineCore:
         self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
         self.structured = StructuredOutputManager(self.loaded.tokenizer,
                                                   self.loaded.config.vocab_size, self.eos_token_ids)
+        # What a request that leaves a sampling field unset gets (vLLM's --generation-config).
+        self.generation_defaults = (generation_defaults(self.loaded.path)
+                                    if config.generation_config == "auto" else {})
+        shown = ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items())
+        print(f"meshserve: generation defaults: {shown or 'neutral'} (generation_config="
+              f"{config.generation_config})", file=sys.stderr, flush=True)
         logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                     time.perf_counter() - start, self.loaded.name, self.backend.name,
                     num_blocks, config.cache.block_size, self.max_model_len)

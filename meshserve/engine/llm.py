@@ -73,10 +73,15 @@ class LLM:
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no params: the model's generation defaults
+        (see the ``generation_config`` setting), else SamplingParams' own, as in vLLM."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts: PromptType, sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         token_lists, texts = self._tokenize(prompts)
         for tokens in token_lists:  # validate everything before queueing anything
             self.engine.prompt_limits.check(tokens)

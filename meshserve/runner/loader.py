@@ -247,6 +247,40 @@ def _generation_eos(path: str) -> tuple[int, ...]:
         return _as_ids(json.load(f).get("eos_token_id"))
 
 
+# Sampling defaults a model may ship, as vLLM's ``--generation-config auto`` reads them:
+# generation_config.json's names, and llama.cpp's GGUF keys, to SamplingParams' names.
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                      "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                      "max_new_tokens": "max_tokens"}
+_GGUF_SAMPLING_FIELDS = {"general.sampling.temp": "temperature",
+                         "general.sampling.top_p": "top_p", "general.sampling.top_k": "top_k",
+                         "general.sampling.min_p": "min_p",
+                         "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def generation_defaults(path: str | None) -> dict[str, float | int]:
+    """The sampling defaults a model ships (``None``: the bundled model), under SamplingParams'
+    names: generation_config.json in a folder, ``general.sampling.*`` metadata in a GGUF file.
+    Empty when it ships none."""
+    path = default_model_path() if path is None else os.path.abspath(os.path.expanduser(path))
+    if path.endswith(".gguf"):
+        import gguf
+
+        fields = gguf.GGUFReader(path).fields
+        found = {name: fields[key].contents() for key, name in _GGUF_SAMPLING_FIELDS.items()
+                 if key in fields}
+    else:
+        file = os.path.join(path, "generation_config.json")
+        if not os.path.isfile(file):
+            return {}
+        with open(file) as f:
+            config = json.load(f)
+        found = {name: config[key] for key, name in _GENERATION_FIELDS.items()
+                 if config.get(key) is not None}
+    return {name: int(value) if name in ("top_k", "max_tokens") else float(value)
+            for name, value in found.items()}
+
+
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
