@@ -148,8 +148,8 @@ def test_the_tpu_slice_shape_is_read_from_the_labels_ray_puts_on_tpu_nodes():
     assert tpu_slice_shape([_tpu_node("v6e-16", "4x4", 4)]).num_hosts == 4
     with pytest.raises(ValueError, match="mixes TPU slice shapes"):
         tpu_slice_shape([_tpu_node("v4-16", "2x2x2", 4), _tpu_node("v6e-8", "2x4", 8)])
-    with pytest.raises(ValueError, match="TPU_ACCELERATOR_TYPE and TPU_TOPOLOGY"):
-        tpu_slice_shape([_node({"TPU": 4}, {})])
+    # Without slice labels a TPU node is a one-host slice (tests/test_slice_placement.py).
+    assert tpu_slice_shape([_node({"TPU": 4}, {})]) == TpuSliceShape(None, None, 4)
 
 
 def test_hosts_of_a_replica_must_agree_on_the_cache_shape():
