@@ -129,10 +129,14 @@ class ParallelConfig:
                                         1)
     data_parallel_size: int = setting(
         "copies of the model inside one replica's mesh (the mesh's data axis)", 1)
+    step_deadline_s: float = setting(
+        "seconds a host of a multi-host replica may take to answer a step; a host later than "
+        "that (hung or frozen) fails the replica", 30.0)
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         _require(self.data_parallel_size >= 1, "data_parallel_size", "must be at least 1")
+        _require(self.step_deadline_s > 0, "step_deadline_s", "must be positive")
 
     @property
     def world_size(self) -> int:
