@@ -1,14 +1,22 @@
 """Multi-host replicas: the lead schedules, every host runs the same step, in lockstep.
 
 A replica that spans several hosts is multi-controller SPMD: every host runs the same program on
-the same inputs. The lead ``HostActor`` owns the only scheduler that matters; each step it sends
-the ``SchedulerOutput`` (plain data) to every ``FollowerHost``, runs the step itself, and then
-checks that each follower sampled exactly the tokens it did. Tokens reach clients from the lead
-only; the followers' results exist to prove they are still in step.
+the same inputs. The lead ``HostActor`` owns the only scheduler that matters; each step goes to
+every ``FollowerHost`` in two phases:
 
-A follower that differs, raises, dies or stops answering fails the whole replica with a
-``HostError`` on every stream: a replica whose hosts disagree is producing garbage (on a TPU slice
-its collectives would hang or mix different steps), so it must never carry on quietly.
+1. **Prepare.** Every host lays the step out for its runner and fingerprints what it is about to
+   run (``step_fingerprint``: the step's inputs, named part by part). The lead compares each
+   follower's fingerprint with its own *before anyone executes*: on a TPU slice a host that runs
+   a different program, or the same program on different inputs, does not fail, it hangs the
+   slice's collectives forever. A difference fails the replica with a message naming the part.
+2. **Run.** Every host executes its prepared step; the lead then checks that each follower
+   sampled exactly the tokens it did. Tokens reach clients from the lead only.
+
+Every wait has a deadline (``ParallelConfig.step_deadline_s``): a follower that does not answer
+in time (frozen, hung, deadlocked) fails the replica as surely as one that answers wrong, so a
+request never waits on a lost host for longer than that. A follower that differs, raises, dies or
+is late fails the whole replica with a ``HostError``: a replica whose hosts disagree is producing
+garbage, so it must never carry on quietly.
 
 What each host computes differs by machine. On CPU hosts every host runs the whole model on its
 own copy of the weights and KV cache, so the replica is no faster than one host: the lockstep is
@@ -19,6 +27,7 @@ chips and the other hosts' do the splitting.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,54 +38,118 @@ from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 if TYPE_CHECKING:
     from meshserve.engine.engine import EngineCore
 
-# How long the lead waits for a follower's step. Serving steps take milliseconds to seconds
-# (warm-up compiled everything before serving began); a follower this late is lost.
-STEP_TIMEOUT_S = 300.0
+Fingerprint = dict[str, str]
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+def step_fingerprint(step: SchedulerOutput) -> Fingerprint:
+    """What a host is about to run, part by part: a short summary and a digest of each."""
+    new, running = step.new_requests, step.running_requests
+    requests = [(r.request_id, r.token_ids, r.num_prompt_tokens, r.params, r.sample_index,
+                 r.num_computed_tokens) for r in new]
+    requests += [(r.request_id, r.num_computed_tokens) for r in running]
+    blocks = [(r.request_id, r.block_ids) for r in new]
+    blocks += [(r.request_id, r.new_block_ids) for r in running]
+    scheduled = sorted(step.num_scheduled_tokens.items())
+    grammar = step.grammar
+    return {
+        "requests": f"{len(new)} new, {len(running)} running #{_digest(requests)}",
+        "blocks": f"#{_digest(blocks)}",
+        "scheduled tokens": f"{step.total_num_scheduled_tokens} #{_digest(scheduled)}",
+        "finished": f"{len(step.finished_request_ids)} "
+                    f"#{_digest(sorted(step.finished_request_ids))}",
+        "grammar": "none" if grammar is None else
+                   f"{len(grammar.request_ids)} rows "
+                   f"#{_digest(grammar.request_ids, grammar.bitmask.tobytes())}",
+    }
+
+
+def first_difference(ours: Fingerprint, theirs: Fingerprint) -> str | None:
+    """The first part two fingerprints disagree on, with both values, or None."""
+    for part in sorted(set(ours) | set(theirs)):
+        if ours.get(part) != theirs.get(part):
+            return f"{part}: {theirs.get(part, 'missing')} where the lead has " \
+                   f"{ours.get(part, 'missing')}"
+    return None
 
 
 class FollowerHost(EngineHost):
     """A non-lead host of a multi-host replica: it holds an engine and runs the lead's steps.
 
-    It never schedules and never talks to clients. Its one method that matters, ``execute``, is
-    called by the lead, in order (a plain actor runs one call at a time, in submission order).
+    It never schedules and never talks to clients. The lead calls ``prepare`` and then ``run``
+    for every step, in order (a plain actor runs one call at a time, in submission order).
     """
 
+    _pending: tuple[int, SchedulerOutput] | None = None
+
+    def prepare(self, number: int, step: SchedulerOutput) -> Fingerprint:
+        """Lay step ``number`` out and say what this host would run; nothing executes yet."""
+        self._pending = (number, step)
+        return step_fingerprint(step)
+
+    def run(self, number: int) -> dict[str, int]:
+        """Execute the prepared step; return the sampled token ids for the lead to compare."""
+        if self._pending is None or self._pending[0] != number:
+            prepared = None if self._pending is None else self._pending[0]
+            raise HostError(f"host {self.host_index} was asked to run step {number} but "
+                            f"prepared {prepared}")
+        _, step = self._pending
+        self._pending = None
+        return self.execute(step)
+
     def execute(self, step: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return the sampled token ids for the lead to compare with its own."""
+        """Run one step on this host's engine; the sampled token ids."""
         return self.engine.execute(step).sampled_token_ids
 
 
 class Lockstep:
-    """The lead's side: broadcast a step, run it locally, check every follower agrees."""
+    """The lead's side: prepare a step everywhere, compare, then run it everywhere and compare."""
 
     def __init__(self, followers: Sequence) -> None:
         self.followers = list(followers)
         self.num_steps = 0
 
     def execute(self, engine: EngineCore, step: SchedulerOutput) -> RunnerOutput:
+        number = self.num_steps + 1
+        deadline = engine.config.parallel.step_deadline_s
+        # Followers prepare while the lead does: the hosts work in parallel.
+        prepared = [f.prepare.remote(number, step) for f in self.followers]
+        ours = step_fingerprint(step)
+        for index, ref in enumerate(prepared, start=1):
+            difference = first_difference(ours, self._get(ref, index, number, deadline))
+            if difference is not None:
+                raise HostError(f"host {index} would run a different step {number} than the "
+                                f"lead; the replica is out of step: {difference}")
+        self.num_steps = number
+        runs = [f.run.remote(number) for f in self.followers]
+        output = engine.execute(step)
+        for index, ref in enumerate(runs, start=1):
+            theirs = self._get(ref, index, number, deadline)
+            ours_tokens = output.sampled_token_ids
+            if theirs != ours_tokens:
+                request_id = next(r for r in sorted(set(theirs) | set(ours_tokens))
+                                  if theirs.get(r) != ours_tokens.get(r))
+                raise HostError(f"host {index} fell out of step at step {number}: it "
+                                f"sampled {theirs.get(request_id)} for request {request_id!r} "
+                                f"where the lead sampled {ours_tokens.get(request_id)}")
+        return output
+
+    @staticmethod
+    def _get(ref, index: int, number: int, deadline: float):
         import ray
 
-        # Followers start on the step while the lead runs it: the hosts work in parallel.
-        refs = [f.execute.remote(step) for f in self.followers]
-        output = engine.execute(step)
-        self.num_steps += 1
-        for index, ref in enumerate(refs, start=1):
-            try:
-                theirs = ray.get(ref, timeout=STEP_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                raise HostError(f"host {index} did not finish step {self.num_steps} within "
-                                f"{STEP_TIMEOUT_S:.0f}s; the replica is out of step") from None
-            except ray.exceptions.RayError as exc:
-                raise HostError(f"host {index} failed at step {self.num_steps}; the replica is "
-                                f"out of step: {exc}") from None
-            ours = output.sampled_token_ids
-            if theirs != ours:
-                request_id = next(r for r in sorted(set(theirs) | set(ours))
-                                  if theirs.get(r) != ours.get(r))
-                raise HostError(f"host {index} fell out of step at step {self.num_steps}: it "
-                                f"sampled {theirs.get(request_id)} for request {request_id!r} "
-                                f"where the lead sampled {ours.get(request_id)}")
-        return output
+        try:
+            return ray.get(ref, timeout=deadline)
+        except ray.exceptions.GetTimeoutError:
+            raise HostError(f"host {index} did not answer step {number} within {deadline:g}s "
+                            "(step_deadline_s); it is hung or frozen, and the replica is out "
+                            "of step") from None
+        except ray.exceptions.RayError as exc:
+            raise HostError(f"host {index} failed at step {number}; the replica is out of "
+                            f"step: {exc}") from None
 
 
 def check_agreement(infos: Sequence[HostInfo]) -> None:

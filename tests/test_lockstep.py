@@ -1,0 +1,154 @@
+"""The lockstep guard of multi-host replicas: hosts compare what they are about to run before they
+run it, and a host that stops answering fails its replica within the step deadline.
+
+The fingerprint checks are plain data. The replica checks start a lead ``HostActor`` and one
+``FollowerHost`` on a local two-node Ray cluster (every socket on 127.0.0.1) with the cpu backend
+and a tiny model, then break the follower: it receives different inputs, or it is frozen with
+SIGSTOP while requests run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from meshserve.actors.host import HostActor
+from meshserve.actors.lockstep import FollowerHost, first_difference, step_fingerprint
+from meshserve.actors.messages import HostError
+from meshserve.actors.placement import place_hosts
+from meshserve.config import EngineConfig
+from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.step import (GrammarBitmask, NewRequestData, RunningRequestData,
+                                      SchedulerOutput)
+
+DEADLINE_S = 3.0
+ENGINE = dict(device="cpu", block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, step_deadline_s=DEADLINE_S)
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+
+def a_step(**changes) -> SchedulerOutput:
+    new = NewRequestData("a", (1, 2, 3), 3, SamplingParams(temperature=0), 0, (1,), 0)
+    step = SchedulerOutput((new,), (RunningRequestData("b", (4,), 20),), {"a": 3, "b": 1},
+                           frozenset({"c"}))
+    return replace(step, **changes)
+
+
+# --- Plain data --------------------------------------------------------------------------------
+
+
+def test_equal_steps_have_equal_fingerprints() -> None:
+    assert first_difference(step_fingerprint(a_step()), step_fingerprint(a_step())) is None
+
+
+@pytest.mark.parametrize("changes, part", [
+    (dict(new_requests=(NewRequestData("a", (1, 2, 4), 3, SamplingParams(temperature=0), 0,
+                                       (1,), 0),)), "requests"),
+    (dict(running_requests=(RunningRequestData("b", (5,), 20),)), "blocks"),
+    (dict(num_scheduled_tokens={"a": 2, "b": 1}), "scheduled tokens"),
+    (dict(finished_request_ids=frozenset()), "finished"),
+    (dict(grammar=GrammarBitmask(("a",), np.zeros((1, 2), np.int32))), "grammar"),
+])
+def test_a_difference_is_named_by_its_part(changes: dict, part: str) -> None:
+    difference = first_difference(step_fingerprint(a_step()), step_fingerprint(a_step(**changes)))
+    assert difference is not None and difference.startswith(f"{part}: ")
+    assert "where the lead has" in difference
+
+
+# --- A two-host replica --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False))
+    nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    for node in nodes:
+        cluster.remove_node(node)
+    cluster.shutdown()
+
+
+class ShiftedInputsFollower(FollowerHost):
+    """Test-only: from its third step on, this host sees one prompt token changed."""
+
+    steps = 0
+
+    def prepare(self, number, step):
+        self.steps += 1
+        if self.steps >= 3 and step.new_requests:
+            first = step.new_requests[0]
+            shifted = replace(first, token_ids=(first.token_ids[0] + 1,) + first.token_ids[1:])
+            step = replace(step, new_requests=(shifted,) + step.new_requests[1:])
+        return super().prepare(number, step)
+
+
+@pytest.fixture
+def replica(cluster, tiny_llama_dir, request):
+    follower_class = getattr(request, "param", FollowerHost)
+    config = EngineConfig.from_flat({"model": tiny_llama_dir, **ENGINE})
+    placement = place_hosts(num_replicas=1, hosts_per_replica=2, host_num_cpus=1)
+    lead_slot, follower_slot = placement.replicas[0]
+    follower = ray.remote(follower_class).options(**follower_slot.actor_options()).remote(
+        config, host_index=1)
+    lead = ray.remote(HostActor).options(**lead_slot.actor_options()).remote(
+        config, followers=[follower])
+    infos = ray.get([lead.info.remote(), follower.info.remote()], timeout=180)
+    yield lead, follower, infos
+    for actor in (lead, follower):
+        ray.kill(actor)
+    placement.release()
+
+
+def stream_all(lead, prompts: list[list[int]], params: SamplingParams) -> list:
+    return [lead.generate_stream.options(num_returns="streaming").remote(p, params)
+            for p in prompts]
+
+
+def drain(stream, timeout: float) -> None:
+    for ref in stream:
+        ray.get(ref, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replica", [ShiftedInputsFollower], indirect=True)
+def test_a_follower_with_other_inputs_fails_the_replica_before_it_runs(replica) -> None:
+    lead, _, _ = replica
+    # One request at a time, so the third step admits a new request whose prompt is shifted.
+    ray.get(lead.generate.remote([5, 6, 7], SamplingParams(temperature=0, max_tokens=1)),
+            timeout=60)
+    ray.get(lead.generate.remote([8, 9], SamplingParams(temperature=0, max_tokens=1)),
+            timeout=60)
+    start = time.monotonic()
+    with pytest.raises(HostError, match=r"host 1 would run a different step 3 than the lead; "
+                                        r"the replica is out of step: requests: 1 new"):
+        ray.get(lead.generate.remote([10, 11, 12], LONG), timeout=60)
+    assert time.monotonic() - start < DEADLINE_S  # refused at once, not by the deadline
+    with pytest.raises(HostError, match="out of step"):  # and it takes no more work
+        ray.get(lead.generate.remote([1, 2], LONG), timeout=60)
+
+
+@pytest.mark.slow
+def test_a_frozen_follower_ends_every_stream_within_the_deadline(replica) -> None:
+    lead, follower, (_, follower_info) = replica
+    streams = stream_all(lead, [[3 + i, 4, 5, 6] for i in range(4)], LONG)
+    ray.get(next(streams[0]), timeout=60)  # generation is under way
+    os.kill(follower_info.pid, signal.SIGSTOP)
+    try:
+        frozen = time.monotonic()
+        for stream in streams:
+            with pytest.raises(HostError, match=rf"host 1 did not answer step \d+ within "
+                                                rf"{DEADLINE_S:g}s \(step_deadline_s\)"):
+                drain(stream, timeout=DEADLINE_S + 30)
+        assert time.monotonic() - frozen < DEADLINE_S + 5
+    finally:
+        os.kill(follower_info.pid, signal.SIGCONT)
