@@ -17,7 +17,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from meshserve.actors.host import HostActor
 from meshserve.actors.lockstep import FollowerHost, first_difference, step_fingerprint
@@ -27,6 +26,7 @@ from meshserve.config import EngineConfig
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.step import (GrammarBitmask, NewRequestData, RunningRequestData,
                                       SchedulerOutput)
+from tests.local_cluster import local_cluster
 
 DEADLINE_S = 3.0
 ENGINE = dict(device="cpu", block_size=16, num_kv_blocks=64, max_model_len=256, max_num_seqs=8,
@@ -67,15 +67,8 @@ def test_a_difference_is_named_by_its_part(changes: dict, part: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False))
-    nodes = [cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1") for _ in range(2)]
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    for node in nodes:
-        cluster.remove_node(node)
-    cluster.shutdown()
+    with local_cluster(workers=2) as cluster:
+        yield cluster
 
 
 class ShiftedInputsFollower(FollowerHost):

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from contextlib import contextmanager
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
-
 from meshserve.actors.placement import (NOSET_VISIBLE_CHIPS_ENV, ReplicaShape, TpuSliceShape,
                                         place_hosts, replica_shape, tpu_slice_shape)
+from tests.local_cluster import local_cluster, tpu_nodes
 
 # The variables Ray's TPU support writes into a process that holds part of a host's chips.
 TPU_BOUNDS = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS")
@@ -104,39 +102,10 @@ class EnvReport:
                 "worker_id": os.environ.get("TPU_WORKER_ID")}
 
 
-@contextmanager
-def tpu_nodes(cluster: Cluster, envs: list[dict[str, str]]):
-    """Nodes advertising {"TPU": 4}, each started with one of ``envs`` (Ray reads the TPU
-    variables from the process that starts the raylet as well)."""
-    added = []
-    for env in envs:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            added.append(cluster.add_node(num_cpus=1, resources={"TPU": 4},
-                                          node_ip_address="127.0.0.1", env_vars=env))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
-    cluster.wait_for_nodes()
-    try:
-        yield
-    finally:
-        for added_node in added:
-            cluster.remove_node(added_node)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False))
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with local_cluster() as cluster:
+        yield cluster
 
 
 def reports(placement) -> list[list[dict]]:
