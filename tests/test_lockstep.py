@@ -10,7 +10,9 @@ SIGSTOP while requests run.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -19,13 +21,14 @@ import pytest
 import ray
 
 from meshserve.actors.host import HostActor
-from meshserve.actors.lockstep import FollowerHost, first_difference, step_fingerprint
+from meshserve.actors.lockstep import (FollowerHost, Lockstep, first_difference,
+                                       step_fingerprint)
 from meshserve.actors.messages import HostError
 from meshserve.actors.placement import place_hosts
-from meshserve.config import EngineConfig
+from meshserve.config import EngineConfig, ParallelConfig
 from meshserve.contracts.sampling import SamplingParams
-from meshserve.contracts.step import (GrammarBitmask, NewRequestData, RunningRequestData,
-                                      SchedulerOutput)
+from meshserve.contracts.step import (GrammarBitmask, NewRequestData, RunnerOutput,
+                                      RunningRequestData, SchedulerOutput)
 from tests.local_cluster import local_cluster
 
 DEADLINE_S = 3.0
@@ -145,3 +148,33 @@ def test_a_frozen_follower_ends_every_stream_within_the_deadline(replica) -> Non
         assert time.monotonic() - frozen < DEADLINE_S + 5
     finally:
         os.kill(follower_info.pid, signal.SIGCONT)
+
+
+class StuckEngine:
+    """Test-only: an engine whose run of a step never returns until released."""
+
+    def __init__(self, deadline: float) -> None:
+        self.config = EngineConfig(parallel=ParallelConfig(step_deadline_s=deadline))
+        self.release = threading.Event()
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        self.release.wait(timeout=60)
+        return RunnerOutput({})
+
+
+def test_a_step_stuck_in_the_lead_is_reported_once_past_the_deadline() -> None:
+    engine, lockstep = StuckEngine(deadline=1.0), Lockstep([])
+    thread = threading.Thread(target=lockstep.execute, args=(engine, a_step()), daemon=True)
+    thread.start()
+    try:
+        assert lockstep.stall() is None  # within the deadline: a slow step, not a stuck one
+        deadline = time.monotonic() + 10
+        while lockstep.stall() is None:
+            assert time.monotonic() < deadline, "the stuck step was never reported"
+            time.sleep(0.05)
+        assert re.fullmatch(r"host 0 has been running step 1 for \d+s, past the 1s step "
+                            r"deadline; the replica is stuck", lockstep.stall())
+    finally:
+        engine.release.set()
+        thread.join(timeout=10)
+    assert lockstep.stall() is None and lockstep.num_steps == 1

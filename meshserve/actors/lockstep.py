@@ -14,7 +14,10 @@ every ``FollowerHost`` in two phases:
 
 Every wait has a deadline (``ParallelConfig.step_deadline_s``): a follower that does not answer
 in time (frozen, hung, deadlocked) fails the replica as surely as one that answers wrong, so a
-request never waits on a lost host for longer than that. A follower that differs, raises, dies or
+request never waits on a lost host for longer than that. The lead's own run of a step cannot be
+interrupted (on a slice it may sit in a collective that a lost host never joins), so
+``Lockstep.stall`` reports one that outlasts the deadline to the replica's health check, which
+then replaces the replica, process and all. A follower that differs, raises, dies or
 is late fails the whole replica with a ``HostError``: a replica whose hosts disagree is producing
 garbage, so it must never carry on quietly.
 
@@ -28,6 +31,7 @@ chips and the other hosts' do the splitting.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -111,6 +115,21 @@ class Lockstep:
     def __init__(self, followers: Sequence) -> None:
         self.followers = list(followers)
         self.num_steps = 0
+        self._running: tuple[int, float, float] | None = None  # step, since, deadline
+
+    def stall(self) -> str | None:
+        """Why the replica is stuck, or None: the lead's own run of a step has outlasted the
+        deadline. No exception can reach that thread (on a TPU slice it may be waiting in a
+        collective for a host that never comes), so whoever checks health asks here."""
+        running = self._running
+        if running is None:
+            return None
+        number, since, deadline = running
+        waited = time.monotonic() - since
+        if waited <= deadline:
+            return None
+        return (f"host 0 has been running step {number} for {waited:.0f}s, past the "
+                f"{deadline:g}s step deadline; the replica is stuck")
 
     def execute(self, engine: EngineCore, step: SchedulerOutput) -> RunnerOutput:
         number = self.num_steps + 1
@@ -125,7 +144,11 @@ class Lockstep:
                                 f"lead; the replica is out of step: {difference}")
         self.num_steps = number
         runs = [f.run.remote(number) for f in self.followers]
-        output = engine.execute(step)
+        self._running = (number, time.monotonic(), deadline)
+        try:
+            output = engine.execute(step)
+        finally:
+            self._running = None
         for index, ref in enumerate(runs, start=1):
             theirs = self._get(ref, index, number, deadline)
             ours_tokens = output.sampled_token_ids
