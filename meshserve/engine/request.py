@@ -57,12 +57,13 @@ class Request:
         """Record a sampled token; return True when it ends the request."""
         self.output_token_ids.append(token_id)
         params = self.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if self.grammar is not None and self.grammar.finish_reason is not None:
+            # The grammar ended it: a stop token completed it, or it allows nothing further.
+            self.finish_reason = self.grammar.finish_reason
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason, self.stop_token_id = FinishReason.STOP, token_id
         elif token_id in params.stop_token_ids:
             self.finish_reason, self.stop_token_id = FinishReason.STOP, token_id
-        elif self.grammar is not None and self.grammar.finish_reason is not None:
-            self.finish_reason = self.grammar.finish_reason  # the grammar allows nothing further
         elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None
