@@ -6,6 +6,11 @@ The offline API mirrors vLLM's::
     llm = LLM()  # the bundled SmolLM2-135M-Instruct
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     print(out[0].outputs[0].text)
+
+Structured output as in vLLM::
+
+    from meshserve import StructuredOutputsParams
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.structured import StructuredOutputParams
+
+# vLLM spells it with an "s"; code written for vLLM imports that name.
+StructuredOutputsParams = StructuredOutputParams
 
 if TYPE_CHECKING:
     from meshserve.engine.llm import LLM, CompletionOutput, Logprob, RequestOutput
@@ -23,7 +32,8 @@ if TYPE_CHECKING:
 _LAZY = {name: "meshserve.engine.llm"
          for name in ("LLM", "RequestOutput", "CompletionOutput", "Logprob")}
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 
