@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from meshserve.contracts.structured import StructuredOutputError
-from meshserve.structured.tools import (ToolCall, forced_calls, parse_hermes, plan_tools,
-                                        template_tool_format)
+from meshserve.structured.tools import (ToolCall, ToolCallStream, forced_calls, parse_hermes,
+                                        plan_tools, template_tool_format)
 
 ADD = {"type": "function", "function": {
     "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
@@ -88,3 +88,42 @@ def test_hermes_calls_are_split_from_the_content() -> None:
     # The reply ran out before the closing tag: the call is still whole.
     assert parse_hermes('<tool_call>{"name": "ping", "arguments": {}}')[1] == [
         ToolCall("ping", "{}")]
+
+
+def _stream(plan, hermes: bool, pieces: list[str]):
+    ids = iter(f"call_{i}" for i in range(10))
+    stream = ToolCallStream(plan, hermes, lambda: next(ids))
+    chunks = [stream.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    return chunks, stream
+
+
+def test_a_named_call_streams_its_arguments_as_openai_does() -> None:
+    plan = plan_tools([ADD], {"type": "function", "function": {"name": "add"}})
+    chunks, stream = _stream(plan, False, ['{"a": ', '1, "b"', ': 2}', ""])
+    entries = [entry for _, calls in chunks for entry in calls]
+    assert entries[0] == {"index": 0, "id": "call_0", "type": "function",
+                          "function": {"name": "add", "arguments": '{"a": '}}
+    assert all(set(e) == {"index", "function"} for e in entries[1:])
+    assert "".join(e["function"]["arguments"] for e in entries) == '{"a": 1, "b": 2}'
+    assert all(content == "" for content, _ in chunks)
+    assert stream.calls == [ToolCall("add", '{"a": 1, "b": 2}')]
+
+
+def test_required_calls_go_out_whole_at_the_end() -> None:
+    plan = plan_tools([ADD, PING], "required")
+    chunks, _ = _stream(plan, False, ['[{"name": "ping", ', '"parameters": {}}]'])
+    assert chunks[0] == ("", [])
+    assert chunks[1][1] == [{"index": 0, "id": "call_0", "type": "function",
+                             "function": {"name": "ping", "arguments": "{}"}}]
+
+
+def test_hermes_content_streams_until_a_call_begins() -> None:
+    plan = plan_tools([ADD], "auto")
+    chunks, stream = _stream(plan, True, ["Sure", ", adding. <tool", '_call>{"name": "add", ',
+                                          '"arguments": {"a": 1, "b": 2}}</tool_call>'])
+    assert "".join(c for c, _ in chunks) == "Sure, adding. "  # as generated, up to the call
+    assert chunks[1][0] == ", adding. "  # "<tool" held back: it may start a call
+    assert [e["function"]["name"] for e in chunks[-1][1]] == ["add"]
+    plain, _ = _stream(plan, True, ["no <tools> ", "here"])
+    assert "".join(c for c, _ in plain) == "no <tools> here"
+    assert _stream(plan, False, ["<tool_call>x"])[0] == [("<tool_call>x", [])]

@@ -1,4 +1,4 @@
-"""What a request's output must match: a JSON schema, a regex, a choice, a grammar, a structural tag.
+"""What a request's output must match: a JSON schema, a regex, choices, a grammar, a structural tag.
 
 ``StructuredOutputParams`` is the plain-data form every entry point builds (the offline API as
 ``SamplingParams(structured_outputs=...)``, the HTTP edge from ``response_format``, vLLM's
@@ -76,7 +76,8 @@ class StructuredOutputParams:
             choice = self.choice
             if (isinstance(choice, str) or not isinstance(choice, Sequence) or not choice
                     or not all(isinstance(c, str) for c in choice)):
-                raise StructuredOutputError(f"{field}.choice", "must be a non-empty list of strings")
+                raise StructuredOutputError(f"{field}.choice",
+                                            "must be a non-empty list of strings")
             object.__setattr__(self, "choice", tuple(choice))
         if not isinstance(self.json_object, bool):
             raise StructuredOutputError(f"{field}.json_object", "must be true or false")

@@ -1,4 +1,4 @@
-"""Structured output on the device: a packed grammar bitmask applied to the logits rows it constrains.
+"""Structured output on the device: a packed grammar bitmask applied to the rows it constrains.
 
 The host fills one packed row per constrained request (32 tokens per int32, see
 ``contracts.step.GrammarBitmask``); the runner lays those rows out as the sampler's rows, padded to

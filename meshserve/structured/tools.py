@@ -141,3 +141,80 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
                                                        ensure_ascii=False)))
     content.append(text[last:])
     return "".join(content).strip(), calls
+
+
+def call_dicts(calls: Sequence[ToolCall], ids: Sequence[str]) -> list[dict[str, Any]]:
+    """OpenAI's ``message.tool_calls``."""
+    return [{"id": call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for call, call_id in zip(calls, ids)]
+
+
+class ToolCallStream:
+    """A reply's text deltas as OpenAI streams a tool-calling reply: ``(content, tool_calls)``
+    per delta, ``tool_calls`` being the chunk's ``delta.tool_calls`` entries.
+
+    A named call streams its arguments as they are generated (the first entry carries the id,
+    type and name). ``required`` and Hermes calls are parsed from the whole reply, so each call
+    goes out complete in the last chunk; Hermes content before a call streams as it comes, held
+    back only while it might be the start of ``<tool_call>``.
+    """
+
+    def __init__(self, plan: ToolPlan, hermes: bool, new_id) -> None:
+        self.plan, self.hermes, self._new_id = plan, hermes, new_id
+        self._text = ""
+        self._sent = 0  # characters of _text already sent as content (Hermes)
+        self._named_started = False
+        self.calls: list[ToolCall] = []  # every call, once the reply is complete
+
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        self._text += delta
+        if self.plan.mode == "named":
+            return "", self._named(delta, finished)
+        if self.plan.mode == "required":
+            if not finished:
+                return "", []
+            self.calls = forced_calls(self.plan, self._text)
+            return "", self._whole(self.calls)
+        if not self.hermes:
+            return delta, []
+        return self._hermes(finished)
+
+    def _named(self, delta: str, finished: bool) -> list[dict[str, Any]]:
+        if finished:
+            self.calls = forced_calls(self.plan, self._text)
+        if not delta and self._named_started:
+            return []
+        entry: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
+        if not self._named_started:
+            self._named_started = True
+            entry = {"index": 0, "id": self._new_id(), "type": "function",
+                     "function": {"name": self.plan.named, "arguments": delta}}
+        return [entry]
+
+    def _hermes(self, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        if finished:
+            content, self.calls = parse_hermes(self._text)
+            if not self.calls:
+                rest, self._sent = self._text[self._sent:], len(self._text)
+                return rest, []
+            # The content sent so far is its start (all of it before the first call).
+            return content[len(self._text[:self._sent].strip()):], self._whole(self.calls)
+        start = self._text.find(HERMES_OPEN)
+        if start < 0:
+            start = _partial_tag_start(self._text)
+        safe = len(self._text) if start < 0 else start
+        out, self._sent = self._text[self._sent:safe], max(self._sent, safe)
+        return out, []
+
+    def _whole(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        return [{"index": i, **entry}
+                for i, entry in enumerate(call_dicts(calls, [self._new_id() for _ in calls]))]
+
+
+def _partial_tag_start(text: str) -> int:
+    """Where a trailing prefix of ``<tool_call>`` starts in ``text``, or -1."""
+    for size in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if HERMES_OPEN.startswith(text[-size:]):
+            return len(text) - size
+    return -1
