@@ -30,6 +30,7 @@ chips and the other hosts' do the splitting.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import time
 from collections.abc import Sequence
@@ -165,8 +166,10 @@ class Lockstep:
         import ray
 
         try:
-            return ray.get(ref, timeout=deadline)
-        except ray.exceptions.GetTimeoutError:
+            # A future, not ray.get: the lead's engine thread runs inside an async actor, where
+            # Ray warns about every ray.get although the event loop is not the one waiting.
+            return ref.future().result(timeout=deadline)
+        except concurrent.futures.TimeoutError:
             raise HostError(f"host {index} did not answer step {number} within {deadline:g}s "
                             "(step_deadline_s); it is hung or frozen, and the replica is out "
                             "of step") from None
