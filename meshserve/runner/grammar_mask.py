@@ -6,25 +6,29 @@ the request bucket, and this function unpacks them on the device and keeps only 
 logits. Every shape depends on the row count and the vocabulary alone, never on how many rows are
 constrained, so a compiling backend builds one masked program per request bucket; a row whose
 ``constrained`` flag is off passes through bit for bit, so free requests sample exactly what they
-would sample alone.
+would sample alone. An eager backend may instead pass only the constrained rows (and no flags):
+the work then scales with them, not with the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
+# Bit b of an int32 word, as an int32 (bit 31 is the sign bit: -2**31).
+_BITS = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
+
 
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                          constrained: torch.Tensor) -> torch.Tensor:
+                          constrained: torch.Tensor | None = None) -> torch.Tensor:
     """``logits`` ``[R, V]`` with every token a constrained row's mask forbids set to -inf.
 
     ``bitmask`` is ``[R, ceil(V / 32)]`` int32, bit ``b`` of word ``w`` allowing token
-    ``32 * w + b``; ``constrained`` is ``[R]`` bool. Unconstrained rows are returned unchanged.
+    ``32 * w + b``; ``constrained`` is ``[R]`` bool (None: every row). Unconstrained rows are
+    returned unchanged.
     """
     rows, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    # An arithmetic shift of a negative word still leaves bit b in the lowest place.
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    allowed = bits.reshape(rows, -1)[:, :vocab] != 0  # [R, V]
-    keep = allowed | ~constrained.unsqueeze(-1)
-    return torch.where(keep, logits, float("-inf"))
+    bits = torch.tensor(_BITS, dtype=torch.int32, device=logits.device)  # [32]
+    allowed = ((bitmask.unsqueeze(-1) & bits) != 0).reshape(rows, -1)[:, :vocab]  # [R, V]
+    if constrained is not None:
+        allowed = allowed | ~constrained.unsqueeze(-1)
+    return torch.where(allowed, logits, float("-inf"))
