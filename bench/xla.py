@@ -52,7 +52,7 @@ def run_variant(device: str, tp: int, prompts: list[str], max_tokens: int) -> di
     return {
         "startup_s": startup_s,
         "warm_up_s": None if report is None else report.seconds,
-        "warm_up_pieces": None if report is None else report.pieces,
+        "warm_up_programs": None if report is None else report.programs,
         "compiled_graphs": graphs_ready,
         "graphs_compiled_while_serving": runner.backend.num_compiled_graphs() - graphs_ready,
         "elapsed_s": elapsed,

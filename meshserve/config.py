@@ -174,7 +174,8 @@ class EngineConfig:
         "(generation_config.json, or GGUF general.sampling.* metadata); vllm: the neutral ones "
         "(temperature 1, top_p 1, no top_k), as vLLM's --generation-config", "auto",
         choices=GENERATION_CONFIGS)
-    dtype: str = setting("weights and activations; auto keeps the checkpoint's", "auto",
+    dtype: str = setting("weights and activations; auto: what the device computes natively "
+                         "(bfloat16 on a TPU or a CPU with AVX512-BF16/AMX, else float32)", "auto",
                          choices=SUPPORTED_DTYPES)
     device: str = setting("cpu: eager torch; xla: torch_xla (a TPU, else PJRT CPU); auto: xla "
                           "on a TPU host", "auto", choices=SUPPORTED_DEVICES)
@@ -183,7 +184,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = setting("batching limits", default_factory=SchedulerConfig)
     parallel: ParallelConfig = setting("the device mesh", default_factory=ParallelConfig)
     compile_cache_dir: str | None = setting(
-        "torch_xla's persistent compilation cache folder (xla device)", None)
+        "folder for compiled programs: inductor's caches and the CPU kernels (cpu device), "
+        "torch_xla's persistent cache (xla device)", None)
+    enforce_eager: bool = setting(
+        "run the step without torch.compile (eager torch on cpu, lazy tracing on xla): slower, "
+        "for debugging", False)
 
     def __post_init__(self) -> None:
         _require(self.dtype in SUPPORTED_DTYPES, "dtype",

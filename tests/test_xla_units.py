@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from meshserve.config import ModelConfig, ParallelConfig
-from meshserve.runner.attention import (PaddedAttention, PallasAttention, StepLayout,
-                                        TorchAttention, select_attention)
+from meshserve.runner.attention import (PaddedAttention, PagedCpuAttention, PallasAttention,
+                                        StepLayout, select_attention)
 from meshserve.runner.buckets import reachable_request_buckets
 from meshserve.spmd.backend import Backend, create_backend
 from meshserve.spmd.mesh import build_mesh
 from meshserve.spmd.sharding import ShardingPlan, kv_head_copies, plan_sharding, weight_spec
+from tests.paged_reference import mixed_step, reference_paged_attention
 
 SMOLLM2 = ModelConfig(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -29,10 +30,9 @@ def backend(name: str, on_tpu: bool = False) -> Backend:
 
 
 def test_pallas_is_chosen_only_on_a_tpu() -> None:
-    assert isinstance(select_attention(backend("xla", on_tpu=True), SMOLLM2, 16, 8),
-                      PallasAttention)
-    assert isinstance(select_attention(backend("xla"), SMOLLM2, 16, 8), PaddedAttention)
-    assert isinstance(select_attention(backend("cpu"), SMOLLM2, 16, 8), TorchAttention)
+    assert isinstance(select_attention(backend("xla", on_tpu=True), SMOLLM2, 8), PallasAttention)
+    assert isinstance(select_attention(backend("xla"), SMOLLM2, 8), PaddedAttention)
+    assert isinstance(select_attention(backend("cpu"), SMOLLM2, 8), PagedCpuAttention)
 
 
 def test_tensor_parallel_sizes_must_split_whole_query_heads() -> None:
@@ -102,27 +102,8 @@ BLOCK, BLOCKS, HEADS, KV_HEADS, DIM = 4, 32, 4, 2, 16
 def random_step(seed: int = 0) -> tuple[StepLayout, torch.Tensor, torch.Tensor, torch.Tensor,
                                         torch.Tensor, torch.Tensor]:
     """A mixed step (two prefill chunks, two decodes) over a randomly filled paged cache."""
-    rng = np.random.default_rng(seed)
-    q_lens, seq_lens = np.array([5, 1, 3, 1]), np.array([9, 7, 3, 12])
-    tables = np.zeros((4, 8), dtype=np.int32)
-    free = iter(rng.permutation(np.arange(1, BLOCKS)))  # block 0 is the null block
-    for row, length in enumerate(seq_lens):
-        tables[row, :-(-length // BLOCK)] = [next(free) for _ in range(-(-length // BLOCK))]
-    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    rows = np.repeat(np.arange(4), q_lens)
-    total, padded = int(q_lens.sum()), 16
-    positions = np.zeros(padded, dtype=np.int64)
-    positions[:total] = seq_lens[rows] - q_lens[rows] + np.arange(total) - starts[rows]
-    pos = positions[:total]
-    slots = np.zeros(padded, dtype=np.int64)
-    slots[:total] = tables[rows, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
-    layout = StepLayout(np.zeros(padded, dtype=np.int64), positions, slots, rows, starts,
-                        seq_lens.astype(np.int64), tables)
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(padded, HEADS, DIM, generator=gen)
-    k, v = (torch.randn(padded, KV_HEADS, DIM, generator=gen) for _ in range(2))
-    history = torch.randn(2, BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen)
-    return layout, q, k, v, history[0], history[1]
+    return mixed_step([5, 1, 3, 1], [9, 7, 3, 12], block=BLOCK, blocks=BLOCKS, heads=HEADS,
+                      kv_heads=KV_HEADS, dim=DIM, dtype=torch.float32, seed=seed)
 
 
 def on_cpu(array: np.ndarray, token_major: bool) -> torch.Tensor:
@@ -130,31 +111,31 @@ def on_cpu(array: np.ndarray, token_major: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_padded_attention_equals_ragged_attention(window: int | None) -> None:
+def test_padded_attention_equals_the_reference(window: int | None) -> None:
     layout, q, k, v, k_hist, v_hist = random_step()
-    ragged = TorchAttention(BLOCK, window)
-    want = ragged.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
-                          ragged.metadata(layout, on_cpu), 0.25)
+    want, want_k, want_v = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.25,
+                                                     window)
     padded = PaddedAttention(window)
-    got = padded.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
-                         padded.metadata(layout, on_cpu), 0.25)
+    got, (got_k, got_v) = padded.forward(q, k, v, (k_hist, v_hist),
+                                         padded.metadata(layout, on_cpu), 0.25)
     n = layout.num_tokens
     torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+    # The updated cache comes back as new tensors (block 0, the null block, takes padding).
+    torch.testing.assert_close(got_k[1:], want_k[1:], rtol=0, atol=0)
+    torch.testing.assert_close(got_v[1:], want_v[1:], rtol=0, atol=0)
 
 
-def test_pallas_layout_and_metadata_against_torchs_reference_loop() -> None:
+def test_pallas_layout_and_metadata_against_torch_xlas_reference_loop() -> None:
     """The kernel's inputs (interleaved KV heads, padded head_dim, int32 request arrays) checked
     through torch_xla's own non-kernel reference, which runs on the CPU."""
     layout, q, k, v, k_hist, v_hist = random_step()
-    ragged = TorchAttention(BLOCK, None)
-    want = ragged.forward(q, k, v, (k_hist.clone(), v_hist.clone()),
-                          ragged.metadata(layout, on_cpu), 0.25)
+    want, _, _ = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.25, None)
     pallas = PallasAttention(None, max_num_seqs=8, use_kernel=False)
     (shape,) = pallas.cache_shapes(BLOCKS, BLOCK, KV_HEADS, DIM)
     assert shape == (BLOCKS, BLOCK, 2 * KV_HEADS, 128)
     cache = torch.zeros(shape)
     cache[:, :, 0::2, :DIM], cache[:, :, 1::2, :DIM] = k_hist, v_hist
-    got = pallas.forward(q, k, v, (cache,), pallas.metadata(layout, on_cpu), 0.25)
+    got, _ = pallas.forward(q, k, v, (cache,), pallas.metadata(layout, on_cpu), 0.25)
     n = layout.num_tokens  # the reference loop returns the real tokens only
     torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
 

@@ -24,17 +24,22 @@ from meshserve.engine.request import Request
 from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.loader import LoadedModel, generation_defaults, load_model
 from meshserve.runner.model_runner import ModelRunner, kv_bytes_per_block
-from meshserve.spmd.backend import create_backend
+from meshserve.spmd.backend import Backend, create_backend
 from meshserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("meshserve.engine")
 
 
-def resolve_dtype(dtype: str, loaded_dtype: torch.dtype = torch.float32) -> torch.dtype:
-    if dtype == "auto":
-        # Dequantized GGUF weights are fp32; eager CPU runs them fastest as they are.
-        return loaded_dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+def resolve_dtype(dtype: str, backend: Backend) -> torch.dtype:
+    """``auto``: what the backend computes natively (bfloat16 on a TPU or a CPU with bf16 matrix
+    instructions, else float32); says which and why, once, at start-up."""
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[dtype]
+    picked, why = backend.auto_dtype()
+    print(f"meshserve: dtype auto -> {str(picked).removeprefix('torch.')}: {why}",
+          file=sys.stderr, flush=True)
+    return picked
 
 
 class EngineCore:
@@ -43,17 +48,18 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         start = time.perf_counter()
         self.config = config
-        dtype = resolve_dtype(config.dtype)
-        self.loaded = loaded or load_model(config.model, dtype=dtype)
         self.backend = create_backend(config.device, config.parallel, config.compile_cache_dir)
+        dtype = resolve_dtype(config.dtype, self.backend)
+        self.loaded = loaded or load_model(config.model, dtype=dtype)
         num_blocks, self.max_model_len = self._size_kv_cache(dtype)
         sched = replace(config.scheduler, max_model_len=self.max_model_len)
         self.runner = ModelRunner(
             self.loaded, self.backend, dtype, block_size=config.cache.block_size,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len, bucket_gap=sched.bucket_gap, seed=config.seed)
+            max_model_len=self.max_model_len, bucket_gap=sched.bucket_gap, seed=config.seed,
+            enforce_eager=config.enforce_eager)
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.warm_up()  # compiles every graph on XLA, so serving never does
+        self.runner.warm_up()  # compiles every program, so serving never does
         self.block_manager = BlockManager(num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)

@@ -13,34 +13,49 @@ logprobs), so only the rank filters and logprobs multiply its sampler graphs. Ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Generic, TypeVar
 
 import torch
 
+Array = TypeVar("Array")  # np.ndarray while the runner lays a step out, torch.Tensor on the device
+
 
 @dataclass(frozen=True, slots=True)
-class SamplingTensors:
+class PenaltyTensors(Generic[Array]):
+    presence: Array  # [R] float32
+    frequency: Array  # [R] float32
+    repetition: Array  # [R] float32
+    output_ids: Array  # [R, L] int64 generated tokens, padded with vocab_size
+    prompt_ids: Array  # [R, P] int64 prompt tokens, padded with vocab_size
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors(Generic[Array]):
     """Per-row sampling inputs, padded to the request bucket. Padding rows are greedy."""
 
-    temperature: torch.Tensor  # [R] float32; 0 = greedy
-    top_k: torch.Tensor  # [R] int64; 0 = off
-    top_p: torch.Tensor  # [R] float32; 1 = off
-    min_p: torch.Tensor  # [R] float32; 0 = off
-    uniform: torch.Tensor  # [R] float32 in [0, 1)
+    temperature: Array  # [R] float32; 0 = greedy
+    top_k: Array  # [R] int64; 0 = off
+    top_p: Array  # [R] float32; 1 = off
+    min_p: Array  # [R] float32; 0 = off
+    uniform: Array  # [R] float32 in [0, 1)
     all_greedy: bool
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
-    penalties: "PenaltyTensors | None" = None
+    penalties: PenaltyTensors[Array] | None = None
 
+    def map(self, fn: Callable[[Array], Any]) -> "SamplingTensors[Any]":
+        """The same inputs with every array passed through ``fn`` (numpy to device tensors)."""
+        def arrays(obj: Any) -> dict[str, Any]:
+            return {f.name: fn(getattr(obj, f.name)) for f in fields(obj)
+                    if f.name not in ("all_greedy", "use_top_k", "use_top_p", "use_min_p",
+                                      "penalties")}
 
-@dataclass(frozen=True, slots=True)
-class PenaltyTensors:
-    presence: torch.Tensor  # [R] float32
-    frequency: torch.Tensor  # [R] float32
-    repetition: torch.Tensor  # [R] float32
-    output_ids: torch.Tensor  # [R, L] int64 generated tokens, padded with vocab_size
-    prompt_ids: torch.Tensor  # [R, P] int64 prompt tokens, padded with vocab_size
+        penalties = None if self.penalties is None else replace(self.penalties,
+                                                                **arrays(self.penalties))
+        return replace(self, **arrays(self), penalties=penalties)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """Where the runner's tensors live: eager torch on the CPU, or torch_xla (TPU, or PJRT CPU).
 
-The runner asks the backend four things: which device to put tensors on, how to place a tensor
-there (whole, or split over the mesh), whether shapes must be static (a compiling backend pads
-every step to a bucket), and how to end a compiled piece (``sync`` cuts the lazy XLA graph traced
-so far, compiles it on first sight and runs it). Only this module starts torch_xla's runtime; the
-one other torch_xla import is the Pallas kernel in ``runner/attention.py``.
+The runner asks the backend: which device to put tensors on, how to place a tensor there (whole,
+or split over the mesh), whether shapes must be static (xla pads every step to a bucket; cpu
+compiles one program for every size), which torch.compile backend compiles its pieces (openxla or
+inductor), which dtype the device computes natively (``dtype="auto"``), and how to end an eager
+piece on xla (``sync`` cuts the lazy XLA graph traced so far and runs it). Only this module starts
+torch_xla's runtime; the one other torch_xla import is the Pallas kernel in
+``runner/attention/pallas.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,34 @@ class Backend:
     on_tpu: bool = False
     mesh: "Mesh | None" = None  # set when the replica spans several devices (SPMD)
 
+    def __post_init__(self) -> None:
+        # The mesh as torch_xla's sharding ops take it in a traced graph: a plain string, made
+        # here because dynamo cannot trace str(mesh).
+        object.__setattr__(self, "mesh_text", None if self.mesh is None else str(self.mesh))
+
+    @property
+    def compile_backend(self) -> str:
+        """torch.compile's backend for this device: openxla lowers to XLA, inductor to C++."""
+        return "openxla" if self.name == "xla" else "inductor"
+
+    @property
+    def compile_options(self) -> dict[str, bool] | None:
+        # Freezing turns the weights into constants of the compiled program, so inductor can
+        # prepack every linear layer's weight once for oneDNN / MKL instead of at each call.
+        return None if self.name == "xla" else {"freezing": True}
+
+    def auto_dtype(self) -> tuple[torch.dtype, str]:
+        """The dtype this device computes natively, and why (``dtype="auto"``)."""
+        if self.on_tpu:
+            return torch.bfloat16, "TPUs compute in bfloat16"
+        if self.name == "xla":
+            return torch.float32, "XLA:CPU computes in float32"
+        flags = native_bf16_flags()
+        if flags:
+            return torch.bfloat16, f"the CPU has native bfloat16 matrix instructions ({flags})"
+        return torch.float32, ("the CPU has no native bfloat16 matrix instructions "
+                               "(AVX512-BF16 or AMX), so bfloat16 would be emulated")
+
     def sync(self) -> None:
         if self.name == "xla":
             import torch_xla
@@ -41,9 +71,15 @@ class Backend:
             torch_xla.sync()
 
     def to_device(self, tensor: torch.Tensor, spec: PartitionSpec | None = None) -> torch.Tensor:
-        """Copy a CPU tensor over, split by ``spec`` when there is a mesh, else whole."""
-        if self.mesh is None or spec is None:
+        """Copy a CPU tensor over, split by ``spec`` when there is a mesh, else whole.
+
+        On a mesh a whole tensor is marked replicated, not left unannotated: a compiled piece
+        records its inputs' shardings at warm-up, and torch_xla's dynamo bridge re-traces any
+        call whose inputs differ from them (an unannotated tensor differs from a replicated one).
+        """
+        if self.mesh is None:
             return tensor.to(self.device)
+        spec = spec or (None,) * tensor.ndim
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
 
@@ -57,6 +93,16 @@ class Backend:
         xs.mark_sharding(placed, self.mesh, spec)
         return placed
 
+    def donate(self, tensors: list[torch.Tensor]) -> None:
+        """Let XLA reuse these tensors' buffers for the outputs of the next program that takes
+        them (the KV cache, updated out of place each step, without a second copy)."""
+        if self.name != "xla":
+            return
+        import torch_xla
+
+        for tensor in tensors:
+            torch_xla._XLAC._set_buffer_donation(tensor, True)
+
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
               spec: PartitionSpec | None = None) -> torch.Tensor:
         """A zero tensor created on the device (no host copy), split by ``spec`` on a mesh."""
@@ -68,12 +114,16 @@ class Backend:
         return tensor
 
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Ask for ``tensor`` whole on every device (an all-gather where it was split)."""
-        if self.mesh is not None:
-            import torch_xla.distributed.spmd as xs
+        """``tensor`` whole on every device (an all-gather where it was split).
 
-            xs.mark_sharding(tensor, self.mesh, (None,) * tensor.ndim)
-        return tensor
+        torch_xla's ``aot_mark_sharding`` op rather than ``mark_sharding``: it returns an annotated
+        copy, which dynamo can trace into a compiled piece (``mark_sharding`` cannot be traced).
+        """
+        if self.mesh is None:
+            return tensor
+        import torch_xla.distributed.spmd  # noqa: F401 - registers torch.ops.xla.aot_mark_sharding
+
+        return torch.ops.xla.aot_mark_sharding(tensor, self.mesh_text, str((None,) * tensor.ndim))
 
     def num_compiled_graphs(self) -> int:
         """Graphs in torch_xla's compilation cache (0 on the eager backend)."""
@@ -82,6 +132,17 @@ class Backend:
         import torch_xla.runtime as xr
 
         return xr.get_num_cached_compilation_graph()
+
+
+def native_bf16_flags() -> str:
+    """The CPU's native bf16 matrix instruction sets, as /proc/cpuinfo names them ("" if none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    return ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
 
 
 def tpu_present() -> bool:
@@ -111,8 +172,19 @@ def create_backend(device: str, parallel: ParallelConfig | None = None,
             raise ValueError(
                 f"tensor_parallel_size x data_parallel_size = {parallel.world_size} needs "
                 "device='xla'; the cpu backend runs one unsharded model")
+        if compile_cache_dir is not None:
+            _use_cpu_compile_cache(compile_cache_dir)
         return Backend("cpu", torch.device("cpu"), static_shapes=False)
     return _create_xla_backend(parallel, compile_cache_dir)
+
+
+def _use_cpu_compile_cache(path: str) -> None:
+    """Inductor's caches (FX graphs, generated C++) and meshserve's kernel builds under ``path``,
+    so a restart finds everything it compiled before."""
+    path = os.path.abspath(path)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
+    os.environ["MESHSERVE_KERNEL_CACHE"] = os.path.join(path, "kernels")
+    logger.info("cpu compilation caches under %s", path)
 
 
 def _create_xla_backend(parallel: ParallelConfig, compile_cache_dir: str | None) -> Backend:

@@ -3,17 +3,20 @@
 Parameter names equal Hugging Face's, so a loaded state dict maps one to one. The model works on a
 flat batch of tokens from many requests (``[num_tokens, hidden]``); which token belongs to which
 request is only known to attention, through the step's metadata, which each layer hands to the
-attention implementation chosen for the backend (``runner/attention.py``).
+attention implementation chosen for the backend (``runner/attention/``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshserve.config import ModelConfig
-from meshserve.runner.attention import AttentionBackend, AttentionMetadata, KVCache
+from meshserve.runner.attention import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -84,6 +87,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None
+        self.kv_cache: Any = None  # this layer's cache as the implementation binds it
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection: fewer, larger matmuls for an unsharded backend."""
@@ -96,15 +100,15 @@ class Attention(nn.Module):
         kv = self.num_kv_heads * self.head_dim
         return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
-    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RotaryAngles,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, Any]:
         tokens = x.shape[0]
         q, k, v = self._project(x)
         q = apply_rotary(q.view(tokens, -1, self.head_dim), angles)  # [T, H, D]
         k = apply_rotary(k.view(tokens, -1, self.head_dim), angles)  # [T, Hkv, D]
         v = v.view(tokens, -1, self.head_dim)
-        out = self.impl.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(tokens, -1))
+        out, cache = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, -1)), cache
 
 
 class MLP(nn.Module):
@@ -135,10 +139,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), angles, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, angles: RotaryAngles,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, Any]:
+        attended, cache = self.self_attn(self.input_layernorm(x), angles, meta)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
 class Backbone(nn.Module):
@@ -151,7 +156,9 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` gives hidden states of every token; ``compute_logits`` only of those asked."""
+    """``forward`` gives hidden states of every token, and each layer's cache as it stands after
+    the step's writes (the same handles where attention writes in place, new tensors on xla,
+    which the caller binds for the next step); ``compute_logits`` only of the rows asked."""
 
     def __init__(self, config: ModelConfig, rotary: Rotary, attention: AttentionBackend) -> None:
         super().__init__()
@@ -162,12 +169,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, tuple[Any, ...]]:
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         angles = self.rotary.lookup(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, angles, kv_cache, meta)
-        return self.model.norm(x)
+        caches = []
+        for layer in self.model.layers:
+            x, cache = layer(x, angles, meta)
+            caches.append(cache)
+        return self.model.norm(x), tuple(caches)
+
+    def bind_kv_caches(self, caches: Sequence[Any]) -> None:
+        """Give each layer its cache (``AttentionBackend.bind_cache``'s handle), in layer order."""
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls (for backends that do not shard the weights)."""

@@ -1,0 +1,64 @@
+"""The cpu backend's compiled step: inductor programs built at warm-up, dispatched without dynamo.
+
+Tokens against transformers are checked in test_engine_correctness.py (the compiled step is the
+default there); this module checks what the compilation itself promises: the same tokens as the
+eager step, nothing compiled or traced after warm-up whatever the traffic, and a dispatch that
+never consults dynamo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve import LLM, SamplingParams
+from meshserve.runner.compiled import CompiledPiece
+from tests.test_engine_correctness import mixed_prompts
+from tests.workload import compile_counters, run_random_workload
+
+ENGINE = dict(dtype="float32", device="cpu", max_num_seqs=16, max_num_batched_tokens=64,
+              max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def compiled_and_eager(tiny_llama_dir: str) -> tuple[LLM, LLM]:
+    return (LLM(tiny_llama_dir, num_kv_blocks=400, **ENGINE),
+            LLM(tiny_llama_dir, num_kv_blocks=400, enforce_eager=True, **ENGINE))
+
+
+def test_compiled_and_eager_agree_token_for_token(compiled_and_eager) -> None:
+    compiled, eager = compiled_and_eager
+    prompts = mixed_prompts(12, seed=4)
+    for params in (SamplingParams(temperature=0, max_tokens=24),
+                   SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=24,
+                                  logprobs=3)):
+        a, b = compiled.generate(prompts, params), eager.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert compiled.engine.runner.warm_up_report.programs == 2  # forward and logits, once each
+    assert eager.engine.runner.warm_up_report.programs == 0
+
+
+def test_random_workload_after_warm_up_compiles_nothing(tiny_llama_dir: str) -> None:
+    # Few KV blocks (preemption) and a 64-token budget (chunked prefill).
+    llm = LLM(tiny_llama_dir, num_kv_blocks=40, **ENGINE)
+    before = compile_counters()
+    report = run_random_workload(llm.engine, seed=3)
+    assert report["preemptions"] > 0 and report["steps"] > 30
+    assert compile_counters() == before
+
+
+def test_dispatch_skips_dynamo_and_refuses_a_program_that_is_not_general() -> None:
+    def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x * scale).sum(dim=0)
+
+    piece = CompiledPiece(scaled, backend="eager", dynamic=True, eager=False)
+    piece.warm_up(None, torch.ones(3, 2), 2.0)
+    piece.warm_up(None, torch.ones(5, 2), 2.0)  # the same program covers another size
+    before = compile_counters()
+    assert torch.equal(piece(None, torch.ones(7, 2), 2.0), torch.full((2,), 14.0))
+    assert compile_counters() == before  # no frame converted, no guard failed, nothing traced
+
+    bad = CompiledPiece(scaled, backend="eager", dynamic=True, eager=False)
+    bad.warm_up(None, torch.ones(3, 2), 2.0)
+    with pytest.raises(RuntimeError, match="a dynamic piece must compile once"):
+        bad.warm_up(None, torch.ones(3, 2), 3.0)  # a new constant needs a second program

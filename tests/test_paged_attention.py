@@ -1,0 +1,130 @@
+"""The cpu backend's C++ paged attention kernel against the pure-torch reference.
+
+Mixed steps (chunked prefills over cached context, decodes, idle sequences) with lengths at and
+around block boundaries, grouped-query heads, sliding windows, the kernel's register-tiled path and
+its generic path (head and block sizes that are not multiples of 16), fp32 to 1e-5. The cache is
+written in place, and a compiled forward never takes it as an input.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshserve.runner.attention import PagedCpuAttention, StepLayout
+from meshserve.runner.kernels import ops
+from tests.paged_reference import mixed_step, reference_paged_attention
+
+
+def to_kernel_layout(k_logical: torch.Tensor, v_logical: torch.Tensor):
+    """Logical [N, B, Hkv, D] caches as the kernel keeps them: keys [N, Hkv, D, B], values
+    [N, Hkv, B, D]."""
+    return (k_logical.permute(0, 2, 3, 1).contiguous(), v_logical.permute(0, 2, 1, 3).contiguous())
+
+
+def from_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    return k_cache.permute(0, 3, 1, 2), v_cache.permute(0, 2, 1, 3)
+
+
+def run_kernel(layout: StepLayout, q, k, v, k_cache, v_cache, scale: float, window: int | None):
+    impl = PagedCpuAttention(window)
+    cache_id = impl.bind_cache((k_cache, v_cache))
+    meta = impl.metadata(layout, lambda array, token_major: torch.from_numpy(array))
+    out, same = impl.forward(q, k, v, cache_id, meta, scale)
+    assert same == cache_id  # written in place: the layer keeps its cache
+    return out
+
+
+STEPS = [
+    # decodes at and around block boundaries (block 16)
+    ([1] * 8, [1, 15, 16, 17, 31, 32, 33, 100]),
+    # chunked prefills over cached context beside decodes, and an idle sequence (0 tokens)
+    ([5, 1, 40, 0, 1, 17], [5, 20, 40, 9, 200, 33]),
+    # a prefill chunk that starts mid-block and ends on a boundary, a 1-token prefill
+    ([16, 33, 1], [48, 33, 1]),
+]
+
+
+@pytest.mark.parametrize("q_lens, seq_lens", STEPS)
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (9, 3, 64), (4, 4, 16)])
+def test_kernel_equals_reference_fp32(q_lens, seq_lens, window, heads, kv_heads, dim) -> None:
+    layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=16, blocks=64,
+                                                 heads=heads, kv_heads=kv_heads, dim=dim,
+                                                 dtype=torch.float32)
+    want, want_k, want_v = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125,
+                                                     window)
+    k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
+    got = run_kernel(layout, q, k, v, k_cache, v_cache, 0.125, window)
+    n = layout.num_tokens
+    torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(got[n:]) == 0  # padding tokens attend to nothing
+    got_k, got_v = from_kernel_layout(k_cache, v_cache)
+    # Written in place, exactly; block 0 is the null block, which padding tokens write into.
+    torch.testing.assert_close(got_k[1:], want_k[1:], rtol=0, atol=0)
+    torch.testing.assert_close(got_v[1:], want_v[1:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block, dim", [(8, 16), (32, 64), (16, 80)])
+def test_generic_shapes_equal_reference(block: int, dim: int) -> None:
+    """Block and head sizes outside the register-tiled path (not multiples of 16) take the
+    kernel's generic loop; the answer is the same."""
+    layout, q, k, v, k_hist, v_hist = mixed_step([3, 1, 9], [3, 2 * block + 1, 9], block=block,
+                                                 blocks=32, heads=4, kv_heads=2, dim=dim,
+                                                 dtype=torch.float32, seed=3)
+    want, _, _ = reference_paged_attention(q, k, v, k_hist, v_hist, layout, dim ** -0.5, None)
+    k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
+    got = run_kernel(layout, q, k, v, k_cache, v_cache, dim ** -0.5, None)
+    n = layout.num_tokens
+    torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_cache_is_read_in_place_with_fp32_arithmetic() -> None:
+    q_lens, seq_lens = STEPS[1]
+    layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=16, blocks=64, heads=8,
+                                                 kv_heads=2, dim=64, dtype=torch.bfloat16)
+    want, _, _ = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125, None)
+    k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
+    got = run_kernel(layout, q, k, v, k_cache, v_cache, 0.125, None)
+    n = layout.num_tokens
+    # The reference rounds its float64 result once; the kernel rounds its fp32 result once.
+    torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_cache_is_not_an_input_of_a_compiled_forward() -> None:
+    """torch.compile sees (q, k, v, metadata) -> out: the cache stays outside the graph, so it
+    is neither functionalized nor copied, and the kernel's in-place write lands in it."""
+    layout, q, k, v, k_hist, v_hist = mixed_step([4, 1], [4, 30], block=16, blocks=16, heads=4,
+                                                 kv_heads=2, dim=16, dtype=torch.float32)
+    k_cache, v_cache = to_kernel_layout(torch.zeros_like(k_hist), torch.zeros_like(v_hist))
+    impl = PagedCpuAttention(None)
+    cache_id = impl.bind_cache((k_cache, v_cache))
+    meta = impl.metadata(layout, lambda array, token_major: torch.from_numpy(array))
+    seen: list[list[torch.Tensor]] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        seen.append(list(example_inputs))
+        return gm.forward
+
+    def attend(q, k, v, meta):
+        return impl.forward(q * 1.0, k, v, cache_id, meta, 0.25)[0]
+
+    storage = k_cache.untyped_storage().data_ptr()
+    compiled = torch.compile(attend, backend=recording_backend, fullgraph=True)
+    out = compiled(q, k, v, meta)
+    (inputs,) = seen
+    assert all(t.untyped_storage().data_ptr() not in
+               (storage, v_cache.untyped_storage().data_ptr()) for t in inputs)
+    assert all(t.numel() < k_cache.numel() for t in inputs)
+    assert k_cache.untyped_storage().data_ptr() == storage
+    assert torch.count_nonzero(k_cache) > 0  # the step's keys were written in place
+    eager, _ = impl.forward(q, k, v, cache_id, meta, 0.25)
+    torch.testing.assert_close(out, eager)
+
+
+def test_a_freed_cache_is_reported_not_read() -> None:
+    k_cache, v_cache = torch.zeros(4, 2, 16, 16), torch.zeros(4, 2, 16, 16)
+    cache_id = ops.register_kv_cache(k_cache, v_cache)
+    del k_cache, v_cache
+    with pytest.raises(RuntimeError, match=f"KV cache {cache_id} was freed"):
+        ops._cache(cache_id)
