@@ -21,8 +21,7 @@ import pytest
 import ray
 
 from meshserve.actors.host import HostActor
-from meshserve.actors.lockstep import (FollowerHost, Lockstep, first_difference,
-                                       step_fingerprint)
+from meshserve.actors.lockstep import FollowerHost, Lockstep, differences, step_fingerprint
 from meshserve.actors.messages import HostError
 from meshserve.actors.placement import place_hosts
 from meshserve.config import EngineConfig, ParallelConfig
@@ -48,21 +47,20 @@ def a_step(**changes) -> SchedulerOutput:
 
 
 def test_equal_steps_have_equal_fingerprints() -> None:
-    assert first_difference(step_fingerprint(a_step()), step_fingerprint(a_step())) is None
+    assert differences(step_fingerprint(a_step()), step_fingerprint(a_step())) == []
 
 
 @pytest.mark.parametrize("changes, part", [
     (dict(new_requests=(NewRequestData("a", (1, 2, 4), 3, SamplingParams(temperature=0), 0,
-                                       (1,), 0),)), "requests"),
-    (dict(running_requests=(RunningRequestData("b", (5,), 20),)), "blocks"),
-    (dict(num_scheduled_tokens={"a": 2, "b": 1}), "scheduled tokens"),
-    (dict(finished_request_ids=frozenset()), "finished"),
-    (dict(grammar=GrammarBitmask(("a",), np.zeros((1, 2), np.int32))), "grammar"),
+                                       (1,), 0),)), "step requests"),
+    (dict(running_requests=(RunningRequestData("b", (5,), 20),)), "step blocks"),
+    (dict(num_scheduled_tokens={"a": 2, "b": 1}), "step tokens"),
+    (dict(finished_request_ids=frozenset()), "step finished"),
+    (dict(grammar=GrammarBitmask(("a",), np.zeros((1, 2), np.int32))), "step grammar"),
 ])
 def test_a_difference_is_named_by_its_part(changes: dict, part: str) -> None:
-    difference = first_difference(step_fingerprint(a_step()), step_fingerprint(a_step(**changes)))
-    assert difference is not None and difference.startswith(f"{part}: ")
-    assert "where the lead has" in difference
+    (difference,) = differences(step_fingerprint(a_step()), step_fingerprint(a_step(**changes)))
+    assert difference.startswith(f"{part}: ") and "where the lead has" in difference
 
 
 # --- A two-host replica --------------------------------------------------------------------------
@@ -126,11 +124,31 @@ def test_a_follower_with_other_inputs_fails_the_replica_before_it_runs(replica) 
             timeout=60)
     start = time.monotonic()
     with pytest.raises(HostError, match=r"host 1 would run a different step 3 than the lead; "
-                                        r"the replica is out of step: requests: 1 new"):
+                                        r"the replica is out of step: .*step requests: 1 new.*"
+                                        r"; tokens: [0-9a-f]+ where the lead has [0-9a-f]+$"):
         ray.get(lead.generate.remote([10, 11, 12], LONG), timeout=60)
     assert time.monotonic() - start < DEADLINE_S  # refused at once, not by the deadline
     with pytest.raises(HostError, match="out of step"):  # and it takes no more work
         ray.get(lead.generate.remote([1, 2], LONG), timeout=60)
+
+
+class OtherBucketsFollower(FollowerHost):
+    """Test-only: this host's runner pads every step to its buckets, where the lead's (cpu)
+    runs the exact sizes: the same inputs, another compiled program."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine.runner.inputs.static_shapes = True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replica", [OtherBucketsFollower], indirect=True)
+def test_a_follower_that_picks_another_bucket_fails_the_replica_before_it_runs(replica) -> None:
+    lead, _, _ = replica
+    with pytest.raises(HostError, match=r"host 1 would run a different step 1 than the lead; "
+                                        r"the replica is out of step: .*program: tokens=16 rows=8 "
+                                        r".* where the lead has tokens=3 rows="):
+        ray.get(lead.generate.remote([5, 6, 7], LONG), timeout=60)
 
 
 @pytest.mark.slow
@@ -151,13 +169,20 @@ def test_a_frozen_follower_ends_every_stream_within_the_deadline(replica) -> Non
 
 
 class StuckEngine:
-    """Test-only: an engine whose run of a step never returns until released."""
+    """Test-only: an engine whose runner's run of a step never returns until released."""
 
     def __init__(self, deadline: float) -> None:
         self.config = EngineConfig(parallel=ParallelConfig(step_deadline_s=deadline))
         self.release = threading.Event()
+        self.runner = self
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def prepare(self, step: SchedulerOutput) -> StuckEngine:
+        return self
+
+    def fingerprint(self) -> dict[str, str]:
+        return {"program": "stuck"}
+
+    def run(self, prepared: StuckEngine) -> RunnerOutput:
         self.release.wait(timeout=60)
         return RunnerOutput({})
 

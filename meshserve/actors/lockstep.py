@@ -4,8 +4,11 @@ A replica that spans several hosts is multi-controller SPMD: every host runs the
 the same inputs. The lead ``HostActor`` owns the only scheduler that matters; each step goes to
 every ``FollowerHost`` in two phases:
 
-1. **Prepare.** Every host lays the step out for its runner and fingerprints what it is about to
-   run (``step_fingerprint``: the step's inputs, named part by part). The lead compares each
+1. **Prepare.** Every host takes the step into its runner and fingerprints what it is about to
+   run (``prepare_step``), part by part: the step as received (requests, blocks, tokens, grammar
+   masks) and the runner's own layout of it (token ids and positions, KV writes, attention
+   tables, sampled rows, sampling parameters and random draws, digested) with the compiled
+   programs it picked (token bucket, request bucket, sampler variant). The lead compares each
    follower's fingerprint with its own *before anyone executes*: on a TPU slice a host that runs
    a different program, or the same program on different inputs, does not fail, it hangs the
    slice's collectives forever. A difference fails the replica with a message naming the part.
@@ -42,6 +45,7 @@ from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from meshserve.engine.engine import EngineCore
+    from meshserve.runner.inputs import PreparedStep
 
 Fingerprint = dict[str, str]
 
@@ -61,24 +65,37 @@ def step_fingerprint(step: SchedulerOutput) -> Fingerprint:
     scheduled = sorted(step.num_scheduled_tokens.items())
     grammar = step.grammar
     return {
-        "requests": f"{len(new)} new, {len(running)} running #{_digest(requests)}",
-        "blocks": f"#{_digest(blocks)}",
-        "scheduled tokens": f"{step.total_num_scheduled_tokens} #{_digest(scheduled)}",
-        "finished": f"{len(step.finished_request_ids)} "
-                    f"#{_digest(sorted(step.finished_request_ids))}",
-        "grammar": "none" if grammar is None else
-                   f"{len(grammar.request_ids)} rows "
-                   f"#{_digest(grammar.request_ids, grammar.bitmask.tobytes())}",
+        "step requests": f"{len(new)} new, {len(running)} running #{_digest(requests)}",
+        "step blocks": f"#{_digest(blocks)}",
+        "step tokens": f"{step.total_num_scheduled_tokens} #{_digest(scheduled)}",
+        "step finished": f"{len(step.finished_request_ids)} "
+                         f"#{_digest(sorted(step.finished_request_ids))}",
+        "step grammar": "none" if grammar is None else
+                        f"{len(grammar.request_ids)} rows "
+                        f"#{_digest(grammar.request_ids, grammar.bitmask.tobytes())}",
     }
 
 
-def first_difference(ours: Fingerprint, theirs: Fingerprint) -> str | None:
-    """The first part two fingerprints disagree on, with both values, or None."""
-    for part in sorted(set(ours) | set(theirs)):
-        if ours.get(part) != theirs.get(part):
-            return f"{part}: {theirs.get(part, 'missing')} where the lead has " \
-                   f"{ours.get(part, 'missing')}"
-    return None
+def prepare_step(engine: EngineCore, step: SchedulerOutput
+                 ) -> tuple[Fingerprint, PreparedStep | None]:
+    """Take the step into this host's runner and say what it would run: the step's parts and
+    the runner's (its inputs, digested, and the compiled programs it picked). Call it once per
+    step: it moves the runner's persistent batch on."""
+    prepared = engine.runner.prepare(step)
+    runner_parts = {"program": "nothing to compute"} if prepared is None else \
+        prepared.fingerprint()
+    return {**step_fingerprint(step), **runner_parts}, prepared
+
+
+def run_prepared(engine: EngineCore, prepared: PreparedStep | None) -> RunnerOutput:
+    return RunnerOutput({}) if prepared is None else engine.runner.run(prepared)
+
+
+def differences(ours: Fingerprint, theirs: Fingerprint) -> list[str]:
+    """Every part a follower's fingerprint (``theirs``) disagrees with the lead's on, with both
+    values; empty when they agree."""
+    return [f"{part}: {theirs.get(part, 'missing')} where the lead has {ours.get(part, 'missing')}"
+            for part in sorted(set(ours) | set(theirs)) if ours.get(part) != theirs.get(part)]
 
 
 class FollowerHost(EngineHost):
@@ -88,12 +105,13 @@ class FollowerHost(EngineHost):
     for every step, in order (a plain actor runs one call at a time, in submission order).
     """
 
-    _pending: tuple[int, SchedulerOutput] | None = None
+    _pending: tuple[int, PreparedStep | None] | None = None
 
     def prepare(self, number: int, step: SchedulerOutput) -> Fingerprint:
         """Lay step ``number`` out and say what this host would run; nothing executes yet."""
-        self._pending = (number, step)
-        return step_fingerprint(step)
+        fingerprint, prepared = prepare_step(self.engine, step)
+        self._pending = (number, prepared)
+        return fingerprint
 
     def run(self, number: int) -> dict[str, int]:
         """Execute the prepared step; return the sampled token ids for the lead to compare."""
@@ -101,13 +119,9 @@ class FollowerHost(EngineHost):
             prepared = None if self._pending is None else self._pending[0]
             raise HostError(f"host {self.host_index} was asked to run step {number} but "
                             f"prepared {prepared}")
-        _, step = self._pending
+        _, prepared = self._pending
         self._pending = None
-        return self.execute(step)
-
-    def execute(self, step: SchedulerOutput) -> dict[str, int]:
-        """Run one step on this host's engine; the sampled token ids."""
-        return self.engine.execute(step).sampled_token_ids
+        return run_prepared(self.engine, prepared).sampled_token_ids
 
 
 class Lockstep:
@@ -136,18 +150,18 @@ class Lockstep:
         number = self.num_steps + 1
         deadline = engine.config.parallel.step_deadline_s
         # Followers prepare while the lead does: the hosts work in parallel.
-        prepared = [f.prepare.remote(number, step) for f in self.followers]
-        ours = step_fingerprint(step)
-        for index, ref in enumerate(prepared, start=1):
-            difference = first_difference(ours, self._get(ref, index, number, deadline))
-            if difference is not None:
+        fingerprints = [f.prepare.remote(number, step) for f in self.followers]
+        ours, prepared = prepare_step(engine, step)
+        for index, ref in enumerate(fingerprints, start=1):
+            differ = differences(ours, self._get(ref, index, number, deadline))
+            if differ:
                 raise HostError(f"host {index} would run a different step {number} than the "
-                                f"lead; the replica is out of step: {difference}")
+                                f"lead; the replica is out of step: {'; '.join(differ)}")
         self.num_steps = number
         runs = [f.run.remote(number) for f in self.followers]
         self._running = (number, time.monotonic(), deadline)
         try:
-            output = engine.execute(step)
+            output = run_prepared(engine, prepared)
         finally:
             self._running = None
         for index, ref in enumerate(runs, start=1):
