@@ -8,6 +8,7 @@ joins for the TPU tests at the end. There is no TPU here: the "TPU" hosts run th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -30,8 +31,8 @@ from meshserve.actors import (Completion, FollowerHost, GenerateSpec, HostError,
 from meshserve.actors.lockstep import check_agreement
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
+from meshserve.deploy.client import EngineClient
 from meshserve.deploy.settings import ServeSettings
-from meshserve.contracts import SchedulerOutput
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
 slow = pytest.mark.slow
@@ -87,28 +88,31 @@ def _free_port() -> int:
 
 @dataclass(frozen=True)
 class App:
-    router: serve.handle.DeploymentHandle
+    engine: serve.handle.DeploymentHandle
     url: str
     model_name: str
 
+    def replicas(self) -> list[dict]:
+        """Every engine replica's ``stats``, in a fixed order (by replica id)."""
+        answers = asyncio.run(EngineClient(self.engine).each_replica("stats"))
+        return sorted(answers, key=lambda s: s["replica_id"])
+
     def engines(self) -> list[dict]:
-        return [s["engine"] for s in self.router.stats.remote().result()["replica_states"]]
+        return [s["engine"] for s in self.replicas()]
 
 
 @pytest.fixture(scope="module")
 def app(cluster, tiny_llama_dir: str):
-    """The whole application (ingress, router, three one-host replicas), as ``meshserve serve``
+    """The whole application (ingress, three one-host engine replicas), as ``meshserve serve``
     runs it; the Serve proxy listens on 127.0.0.1 only."""
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     settings = _settings(tiny_llama_dir, num_replicas=3)
-    serve.run(build_app(settings), name="meshserve", route_prefix="/", blocking=False)
-    router = serve.get_deployment_handle("Router", app_name="meshserve")
-    deadline = time.monotonic() + 180
-    while not router.ready.remote().result():
-        assert time.monotonic() < deadline, "the replicas did not load in time"
-        time.sleep(0.2)
-    yield App(router, f"http://127.0.0.1:{port}", settings.model_name())
+    # Returns once every replica has loaded and warmed up.
+    serve.run(build_app(settings), name="meshserve", route_prefix="/")
+    engine = serve.get_deployment_handle("Engine", app_name="meshserve")
+    engine.info.remote().result()  # this process's router now knows the replicas
+    yield App(engine, f"http://127.0.0.1:{port}", settings.model_name())
     serve.shutdown()
 
 
@@ -166,13 +170,13 @@ def test_hosts_of_a_replica_must_agree_on_the_cache_shape():
 
 @slow
 def test_each_replica_has_its_own_node_and_nothing_leaves_loopback(cluster, app):
-    states = app.router.stats.remote().result()["replica_states"]
+    states = app.replicas()
     node_ids = [s["node_ids"] for s in states]
     assert [len(ids) for ids in node_ids] == [1, 1, 1]
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len({ids[0] for ids in node_ids}) == 3 and {ids[0] for ids in node_ids} <= alive
-    assert app.router.stats.remote().result()["placement"] == "cpu"
-    # GCS, raylets, workers, host actors, the HTTP proxy and (through deploy/loopback.py) the
+    assert {s["placement"] for s in states} == {"cpu"}
+    # GCS, raylets, workers, engine replicas, the HTTP proxy and (through deploy/loopback.py) the
     # Serve replicas' inter-deployment gRPC servers all listen on loopback only.
     assert _listening_beyond_loopback() == {}
 
@@ -181,7 +185,7 @@ def test_each_replica_has_its_own_node_and_nothing_leaves_loopback(cluster, app)
 def test_a_batch_reaches_every_replica_and_equals_one_engine(app, reference):
     prompts = _tokens(reference, PROMPTS)
     before = app.engines()
-    responses = [app.router.generate.remote(GenerateSpec(uuid.uuid4().hex, p, GREEDY))
+    responses = [app.engine.generate.remote(GenerateSpec(uuid.uuid4().hex, p, GREEDY))
                  for p in prompts]
     completions: list[Completion] = [r.result() for r in responses]
     assert [list(c.token_ids) for c in completions] == _expected(reference, prompts, GREEDY)
@@ -212,11 +216,12 @@ def test_six_prompts_are_split_across_replicas_and_returned_in_order(app, refere
 
 
 @slow
-def test_streaming_through_the_router_delivers_every_token_once_in_order(app, reference):
+def test_streaming_through_the_engine_handle_delivers_every_token_once_in_order(app,
+                                                                              reference):
     prompt = _tokens(reference, ["Streaming, one token at a time:"])[0]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = _expected(reference, [prompt], params)[0]
-    stream = app.router.options(stream=True).generate_stream.remote(
+    stream = app.engine.options(stream=True).generate_stream.remote(
         GenerateSpec(uuid.uuid4().hex, prompt, params))
     deltas = [d for batch in stream for d in batch]
     assert [t for d in deltas for t in d.token_ids] == expected
@@ -243,12 +248,12 @@ def test_streaming_through_the_router_delivers_every_token_once_in_order(app, re
 @slow
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_with_cache_hits(app, reference):
     shared = reference.tokenizer.encode(" ".join(f"rule {i}: be kind." for i in range(20)))
-    assert len(shared) > 4 * 16 + 16  # longer than the router's affinity span (4 blocks)
+    assert len(shared) > 4 * 16 + 16  # longer than the affinity span (4 blocks)
     questions = ["Who?", "What?", "Where?", "When?"]
     before = app.engines()
-    for question in questions:  # one after another: an idle router would otherwise rotate
+    for question in questions:  # one after another: idle replicas would otherwise rotate
         prompt = tuple(shared) + tuple(reference.tokenizer.encode(question))
-        app.router.generate.remote(GenerateSpec(uuid.uuid4().hex, prompt, GREEDY)).result()
+        app.engine.generate.remote(GenerateSpec(uuid.uuid4().hex, prompt, GREEDY)).result()
     after = app.engines()
     queried = [a["prefix_cache_queried_tokens"] - b["prefix_cache_queried_tokens"]
                for a, b in zip(after, before)]
@@ -261,7 +266,7 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_with_cache_hits(ap
     # Unrelated prompts, one after another, rotate over the idle replicas instead.
     before = app.engines()
     for p in _tokens(reference, PROMPTS[:3]):
-        app.router.generate.remote(GenerateSpec(uuid.uuid4().hex, p, GREEDY)).result()
+        app.engine.generate.remote(GenerateSpec(uuid.uuid4().hex, p, GREEDY)).result()
     after = app.engines()
     assert all(a["prefix_cache_queried_tokens"] > b["prefix_cache_queried_tokens"]
                for a, b in zip(after, before))
@@ -301,8 +306,8 @@ class DivergentFollower(FollowerHost):
         super().__init__(*args, **kwargs)
         self.steps = 0
 
-    def execute(self, step: SchedulerOutput) -> dict[str, int]:
-        tokens = super().execute(step)
+    def run(self, number: int) -> dict[str, int]:
+        tokens = super().run(number)
         self.steps += 1
         if self.steps == 3 and tokens:
             request_id = min(tokens)
