@@ -1,10 +1,10 @@
-"""meshserve from a Ray program: host actors for a batch job, then the Router deployment handle.
+"""meshserve from a Ray program: host actors for a batch job, then the Engine deployment's handle.
 
 Runs on the bundled SmolLM2-135M-Instruct, on a local Ray bound to 127.0.0.1:
 
     .venv/bin/python examples/ray_programmatic.py [--model PATH] [--max-tokens N] [--port P]
 
-Host actors and the router speak token ids; the tokenizer (and the chat template, if you want
+Host actors and engine replicas speak token ids; the tokenizer (and the chat template, if you want
 one) stays in your program, as it does in meshserve's HTTP ingress.
 """
 
@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 
@@ -26,6 +27,7 @@ from meshserve import SamplingParams  # noqa: E402
 from meshserve.actors import GenerateSpec, start_host  # noqa: E402
 from meshserve.config import EngineConfig  # noqa: E402
 from meshserve.deploy.app import build_app  # noqa: E402
+from meshserve.deploy.client import EngineClient  # noqa: E402
 from meshserve.runner.loader import load_tokenizer  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of",
@@ -55,26 +57,37 @@ def batch_job(model: str | None, tokenizer, params: SamplingParams) -> None:
 
 
 def through_serve(model: str | None, tokenizer, params: SamplingParams, port: int) -> None:
-    """The whole Serve application; a Ray program calls its Router through a handle."""
+    """The whole Serve application; a Ray program calls its Engine deployment through a handle,
+    which picks a replica for each call itself (as the HTTP ingress's does)."""
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    # Returns once every engine replica has loaded and warmed up.
     serve.run(build_app({"model": model, "num_kv_blocks": 512}), name="meshserve",
-              route_prefix="/", blocking=False)
-    router = serve.get_deployment_handle("Router", app_name="meshserve")
-    while not router.ready.remote().result():  # the replicas load and warm up
-        time.sleep(0.5)
+              route_prefix="/")
+    engine = serve.get_deployment_handle("Engine", app_name="meshserve")
 
     spec = GenerateSpec(uuid.uuid4().hex, tuple(tokenizer.encode(PROMPTS[0])), params)
-    completion = router.generate.remote(spec).result()
-    print("router generate:", repr(tokenizer.decode(completion.token_ids,
+    completion = engine.generate.remote(spec).result()
+    print("engine generate:", repr(tokenizer.decode(completion.token_ids,
                                                     skip_special_tokens=True)))
 
-    print("router stream: ", end="", flush=True)
+    print("engine stream: ", end="", flush=True)
     spec = GenerateSpec(uuid.uuid4().hex, spec.prompt_token_ids, params)
-    for batch in router.options(stream=True).generate_stream.remote(spec):
+    for batch in engine.options(stream=True).generate_stream.remote(spec):
         for delta in batch:
             print(tokenizer.decode(delta.token_ids), end="", flush=True)
     print()
-    print("router stats:", router.stats.remote().result()["replica_states"])
+
+    # Many sequences at once, their tokens over one stream per engine replica.
+    async def many() -> None:
+        client = EngineClient(engine)
+        specs = [GenerateSpec(uuid.uuid4().hex, tuple(tokenizer.encode(p)), params)
+                 for p in PROMPTS]
+        for prompt, done in zip(PROMPTS, await asyncio.gather(*map(client.generate, specs))):
+            print(f"  {prompt!r} -> {tokenizer.decode(done.token_ids, skip_special_tokens=True)!r}")
+        print("engine replicas:", [(s["replica_id"], s["engine"]["num_free_blocks"])
+                                   for s in await client.each_replica("stats")])
+
+    asyncio.run(many())
     serve.shutdown()
 
 
@@ -86,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tokenizer = load_tokenizer(args.model)
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
     try:
         batch_job(args.model, tokenizer, params)
         through_serve(args.model, tokenizer, params, args.port)

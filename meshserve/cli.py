@@ -25,6 +25,9 @@ from meshserve.config import flat_settings  # noqa: E402
 from meshserve.deploy.settings import ServeSettings  # noqa: E402
 from meshserve.kuberay.cli import add_k8s_parser  # noqa: E402
 
+APP_NAME = "meshserve"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -34,6 +37,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 30)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                   help="what Ray, Serve and meshserve log beyond meshserve's own progress lines "
+                        "(loading, warm-up, ready, URL); info and debug bring back Serve's "
+                        "component logs and its per-request access log (default: warning)")
     add_setting_flags(p, ServeSettings)
     # The spelling from before the flags were generated; still accepted.
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -61,35 +68,37 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from meshserve.deploy.app import build_app
-
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
         print(f"meshserve serve: {exc}", file=sys.stderr)
         return 2
+    logging_config = quiet_logs(args.log_level)
+    import ray
+    from ray import serve
+
+    from meshserve.deploy.app import build_app
+
     if args.address:
-        ray.init(address=args.address)
+        ray.init(address=args.address, logging_level=args.log_level.upper())
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-    serve.run(build_app(settings), name="meshserve", route_prefix="/", blocking=False)
-    router = serve.get_deployment_handle("Router", app_name="meshserve")
+        # address="local": a cluster of its own, even when another runs on this machine.
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 logging_level=args.log_level.upper())
+    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly",
+                logging_config=logging_config)
     url = f"http://{args.host}:{args.port}"
     print(f"meshserve: loading {settings.model_name()} and warming up...", flush=True)
     started = time.monotonic()
-    while True:
-        try:
-            if router.ready.remote().result():
-                break
-        except Exception as exc:  # noqa: BLE001 - report why the model did not come up
-            print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
-            serve.shutdown()
-            return 1
-        time.sleep(0.5)
+    try:
+        # Returns once every replica has loaded and warmed up (Serve waits for their
+        # constructors, without calling into the application).
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/",
+                  logging_config=logging_config)
+    except Exception as exc:  # noqa: BLE001 - report why the model did not come up
+        print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
+        serve.shutdown()
+        return 1
     print(f"meshserve: ready in {time.monotonic() - started:.0f}s, serving "
           f"{settings.model_name()!r} at {url}/v1 (Ctrl+C to stop)", flush=True)
     stop = threading.Event()
@@ -102,22 +111,51 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def quiet_logs(level: str):
+    """Apply ``--log-level`` here and in every process the server starts; returns Serve's
+    logging config for its components and replicas."""
+    import logging
+
+    from ray.serve.schema import LoggingConfig
+
+    from meshserve.deploy.logs import LOG_LEVEL_ENV, configure_process_logging
+
+    # Replicas read it when they start (they inherit this environment on a local cluster).
+    os.environ[LOG_LEVEL_ENV] = level
+    if level not in ("debug", "info"):  # warm-up is already reported, line by line
+        os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "120")
+    configure_process_logging()
+    logging.getLogger("ray.serve").setLevel(level.upper())
+    verbose = level in ("debug", "info")
+    return LoggingConfig(log_level=level.upper(), enable_access_log=verbose)
+
+
 def drain(timeout_s: float) -> None:
     """Stop taking requests, finish or cancel in-flight ones, and check every block is free."""
+    import asyncio
+
     from ray import serve
 
+    from meshserve.deploy.app import ENGINE_DEPLOYMENT
+    from meshserve.deploy.client import EngineClient
+
     print(f"meshserve: draining (up to {timeout_s:.0f}s)...", flush=True)
-    ingress = serve.get_deployment_handle("OpenAIIngress", app_name="meshserve")
-    router = serve.get_deployment_handle("Router", app_name="meshserve")
-    report = ingress.drain.remote(timeout_s).result()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        engines = router.stats.remote().result()["engines"]
-        free = sum(e["num_free_blocks"] for e in engines)
-        total = sum(e["num_total_blocks"] for e in engines)
-        if free == total:
-            break
-        time.sleep(0.1)
+    engines = EngineClient(serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME))
+
+    async def run() -> tuple[dict, int, int]:
+        await engines.handle.info.remote()  # this process's router now knows the replicas
+        reports = await engines.each_replica("drain", timeout_s)
+        report = {k: sum(r[k] for r in reports) for k in ("finished", "cancelled")}
+        deadline = time.monotonic() + 30
+        while True:
+            stats = [r["engine"] for r in await engines.each_replica("stats")]
+            free = sum(e["num_free_blocks"] for e in stats)
+            total = sum(e["num_total_blocks"] for e in stats)
+            if free == total or time.monotonic() > deadline:
+                return report, free, total
+            await asyncio.sleep(0.1)
+
+    report, free, total = asyncio.run(run())
     print(f"meshserve: drained: {report['finished']} finished, {report['cancelled']} cancelled; "
           f"{free}/{total} KV blocks free", flush=True)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 READY_TIMEOUT_S = 300
 
@@ -39,11 +40,14 @@ class Server:
         return samples
 
     def wait_idle(self, timeout: float = 60) -> dict[str, float]:
-        """Wait until no sequence runs and every KV block is free; return the metrics then."""
+        """Wait until every engine replica answers, no sequence runs and every KV block is free;
+        return the metrics then."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["meshserve_num_requests_running"] == 0
+            idle = (m["meshserve_healthy_replicas"] == m["meshserve_replicas"]
+                    and m["meshserve_kv_cache_total_blocks"] > 0
+                    and m["meshserve_num_requests_running"] == 0
                     and m["meshserve_num_requests_waiting"] == 0
                     and m["meshserve_kv_cache_free_blocks"] == m["meshserve_kv_cache_total_blocks"])
             if idle or time.monotonic() > deadline:
@@ -58,6 +62,20 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+def serve_processes(server_pid: int, deployment: str) -> list[int]:
+    """The PIDs of a deployment's replicas (``Engine``, ``OpenAIIngress``) under the server."""
+    title = f"ServeReplica:meshserve:{deployment}"
+    children = psutil.Process(server_pid).children(recursive=True)
+    found = []
+    for child in children:
+        try:
+            if title in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(found)
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:

@@ -1,6 +1,6 @@
-"""Host failure: a HostActor killed during traffic. Sequences that had not started are retried on
-the other replica, streams already running end with an error event (never a hang), the router
-restarts the replica in its placement slot, and serving resumes on both."""
+"""Host failure: an engine replica's process (its lead host) killed during traffic. Sequences that
+had not started are retried on the other replica, streams already running end with an error event
+(never a hang), Serve replaces the replica, and serving resumes on both."""
 
 from __future__ import annotations
 
@@ -13,17 +13,12 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import start_server
+from tests.server import serve_processes, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
 DEADLINE_S = 120
-
-
-def host_actor_pids(server_pid: int) -> list[int]:
-    children = psutil.Process(server_pid).children(recursive=True)
-    return [p.pid for p in children if "ray::HostActor" in " ".join(p.cmdline())]
 
 
 def stream(url: str, prompt: str, max_tokens: int, results: dict, started: threading.Event) -> None:
@@ -57,7 +52,7 @@ def test_killed_host_is_survived_and_replaced(tiny_llama_dir: str, tmp_path) -> 
                            "--max-model-len", "512", "--num-replicas", "2"],
                           tmp_path / "serve.log")
     try:
-        pids = host_actor_pids(server.process.pid)
+        pids = serve_processes(server.process.pid, "Engine")
         assert len(pids) == 2
         results: dict = {}
         first_wave = [threading.Event() for _ in range(8)]
@@ -91,7 +86,7 @@ def test_killed_host_is_survived_and_replaced(tiny_llama_dir: str, tmp_path) -> 
         while server.metrics()["meshserve_healthy_replicas"] < 2:
             assert time.monotonic() < deadline, "the replica was not restarted"
             time.sleep(0.5)
-        new_pids = host_actor_pids(server.process.pid)
+        new_pids = serve_processes(server.process.pid, "Engine")
         assert len(new_pids) == 2 and pids[0] not in new_pids
         after: dict = {}
         third = [threading.Thread(target=stream, args=(server.url, f"after {i}", 10, after,

@@ -1,8 +1,9 @@
 """Reading an output channel: an ``asyncio.Queue`` of batches, where a failure is posted in-band.
 
-Producers (a host's engine thread, a router's pump) put lists of token deltas, or a list holding
-one exception when the source failed. A reader takes whatever is ready in one go, so a slow reader
-gets fewer, larger batches instead of falling behind one message per step.
+Producers (a host's event loop, an ``EngineClient``'s pump) put lists of token deltas, a
+``SequenceError`` where one sequence ended in an error, or a list holding one exception when the
+whole source failed. A reader takes whatever is ready in one go, so a slow reader gets fewer,
+larger batches instead of falling behind one message per step.
 """
 
 from __future__ import annotations

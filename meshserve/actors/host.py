@@ -1,11 +1,17 @@
-"""Host actors: the Ray actors that own one host's engine.
+"""Host actors: the engine of one host, served from its own thread.
 
-``HostActor`` serves: its engine runs in its own thread, stepping while there is work and sleeping
-on its inbox when there is none, so the actor's asyncio loop stays free to take requests, aborts
-and stats calls. Results leave through per-subscriber output channels: one Ray streaming call per
-router, each item a batch of token deltas from one or more steps, instead of one message per
-token. Ray programs can also call it directly (``generate`` / ``generate_stream``), which is how
-batch jobs use a host without Serve.
+``HostActor`` steps its engine in a thread of its own while there is work and sleeps on its inbox
+when there is none; the engine thread hands each step's deltas to the event loop in one call and
+never waits for it, and torch releases the GIL while it computes. The event loop takes requests,
+aborts and stats calls and does the bookkeeping: who owns which request, and which channel each
+delta goes to.
+
+Results leave through output channels: a subscriber (an HTTP ingress replica, through
+``meshserve.deploy.client.EngineClient``) submits any number of sequences on one channel and reads
+one stream of batches for all of them, each batch everything one or more steps produced for that
+channel. Ray programs can also call a host directly (``generate`` / ``generate_stream``), which is
+how batch jobs use a host without Serve; the Serve ``Engine`` deployment
+(``meshserve.deploy.engine``) runs one in each of its replicas.
 
 In a multi-host replica the ``HostActor`` is the lead and the other hosts are ``FollowerHost`` s
 (see ``lockstep.py``); both share ``EngineHost`` (``engine_host.py``) for what every host does.
@@ -25,7 +31,8 @@ from typing import TYPE_CHECKING
 from meshserve.actors.channel import next_batch
 from meshserve.actors.engine_host import EngineHost
 from meshserve.actors.lockstep import Lockstep
-from meshserve.actors.messages import Completion, GenerateSpec, HostError
+from meshserve.actors.messages import (ChannelClosed, Completion, GenerateSpec, HostError,
+                                       SequenceError)
 from meshserve.config import EngineConfig
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import EngineStats, TokenDelta
@@ -38,30 +45,37 @@ logger = logging.getLogger("meshserve.host")
 
 class HostActor(EngineHost):
     """Owns an engine on one host and serves it. Start it with ``start_host`` (or
-    ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica."""
+    ``ray.remote(HostActor)``), or build one inside a Serve replica; ``followers`` are the other
+    hosts of a multi-host replica."""
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
                  num_threads: int | None = None, followers: Sequence = ()) -> None:
         super().__init__(config, host_index, num_threads)
         self._lockstep = Lockstep(followers) if followers else None
         self._inbox: queue.Queue = queue.Queue()
+        # Event-loop state only: the engine thread never reads or writes it.
         self._channels: dict[str, asyncio.Queue] = {}
-        self._owner: dict[str, str] = {}  # request id -> channel id
+        self._owner: dict[str, str] = {}  # request id -> channel id, while it runs
+        self._cost: dict[str, int] = {}  # request id -> tokens it may still take (for routing)
+        # Aborted ids the engine thread has not dropped yet: not reusable until it has, or a
+        # delta of the old request could reach the new one.
+        self._aborting: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, known at first call
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ router API
+    # ------------------------------------------------------------------ subscriber API
     async def submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:
-        """Queue requests; returns an error message per spec (None when accepted)."""
+        """Queue requests whose deltas go to ``channel``; returns an error message per spec
+        (None when accepted)."""
         if self._error is not None:
             raise HostError(self._error)
         self._open(channel)
         errors: list[str | None] = []
         for spec in specs:
             try:
-                if spec.request_id in self._owner:
+                if spec.request_id in self._owner or spec.request_id in self._aborting:
                     raise ValueError(f"request_id {spec.request_id!r} is already in use")
                 self.engine.prompt_limits.check(spec.prompt_token_ids)
             except ValueError as exc:
@@ -69,26 +83,70 @@ class HostActor(EngineHost):
                 continue
             errors.append(None)
             self._owner[spec.request_id] = channel
+            self._cost[spec.request_id] = len(spec.prompt_token_ids) + spec.params.max_tokens
             self._inbox.put(("add", spec))
         return errors
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self._inbox.put(("abort", request_id))
+            if self._owner.pop(request_id, None) is not None:
+                self._cost.pop(request_id, None)
+                self._aborting.add(request_id)
+                self._inbox.put(("abort", request_id))
+
+    def close_channel(self, channel: str) -> int:
+        """Abort every request of ``channel`` and drop it (its reader is gone); returns how many
+        requests it held. A reader still attached after all sees ``ChannelClosed``."""
+        owned = [r for r, c in self._owner.items() if c == channel]
+        self.abort(owned)
+        out = self._channels.pop(channel, None)
+        if out is not None:
+            out.put_nowait([ChannelClosed(f"channel {channel} closed: its reader went silent")])
+        return len(owned)
+
+    def cancel_all(self, error: BaseException) -> int:
+        """End every running request with ``error`` on its channel (the channels stay open) and
+        abort it; returns how many there were."""
+        owned = list(self._owner.items())
+        for request_id, channel in owned:
+            out = self._channels.get(channel)
+            if out is not None:
+                out.put_nowait([SequenceError(request_id, error)])
+        self.abort([request_id for request_id, _ in owned])
+        return len(owned)
 
     def stats(self) -> EngineStats:
         # Read live across threads (each field is a plain read): after an abort the engine
         # idles, so a snapshot taken per step would go stale.
         return self.engine.stats()
 
+    def owed_tokens(self) -> dict[str, int]:
+        """Per channel, the tokens its running requests may still take (prompt + max_tokens)."""
+        owed: dict[str, int] = {}
+        for request_id, channel in self._owner.items():
+            owed[channel] = owed.get(channel, 0) + self._cost.get(request_id, 0)
+        return owed
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._owner)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped (it takes no more work), or None while it serves."""
+        if self._error is None and not self._thread.is_alive():
+            return f"host {self.host_index}: the engine thread has exited"
+        return self._error
+
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
-        """A router's stream of token deltas for the requests it submitted on ``channel``."""
+        """The stream of token deltas for the requests submitted on ``channel``."""
         out = self._open(channel)
         try:
             while True:
                 yield await next_batch(out)
         finally:
-            self._channels.pop(channel, None)
+            if self._channels.get(channel) is out:
+                self._channels.pop(channel, None)
 
     # ------------------------------------------------------------------ direct API
     async def generate_stream(self, prompt_token_ids: Sequence[int],
@@ -101,7 +159,13 @@ class HostActor(EngineHost):
         """
         spec = GenerateSpec(request_id or uuid.uuid4().hex, tuple(prompt_token_ids),
                             params or SamplingParams())
-        if spec.request_id in self._owner:  # before its channel exists, which would be shared
+        async for batch in self.stream_spec(spec):
+            yield batch
+
+    async def stream_spec(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
+        """``generate_stream`` for a ready-made ``GenerateSpec``."""
+        if spec.request_id in self._owner or spec.request_id in self._aborting:
+            # refused before its channel exists, which would be shared
             raise ValueError(f"request_id {spec.request_id!r} is already in use")
         channel = f"direct-{spec.request_id}"  # a private channel: its one reader is this call
         out = self._open(channel)
@@ -112,6 +176,8 @@ class HostActor(EngineHost):
                 raise ValueError(error)
             while not finished:
                 batch = await next_batch(out)
+                if isinstance(batch[-1], SequenceError):
+                    raise batch[-1].error
                 finished = batch[-1].finish_reason is not None
                 yield batch
         finally:
@@ -126,10 +192,34 @@ class HostActor(EngineHost):
                   for d in batch]
         return Completion.from_deltas(deltas[0].request_id, deltas)
 
-    # ------------------------------------------------------------------ channels
+    # ------------------------------------------------------------------ channels (event loop)
     def _open(self, channel: str) -> asyncio.Queue:
         self._loop = asyncio.get_running_loop()
         return self._channels.setdefault(channel, asyncio.Queue())
+
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        """One step's deltas, split into one batch per channel (on the event loop)."""
+        by_channel: dict[str, list[TokenDelta]] = {}
+        owner, cost = self._owner, self._cost
+        for delta in deltas:
+            channel = owner.get(delta.request_id)
+            if channel is None:
+                continue  # aborted meanwhile
+            by_channel.setdefault(channel, []).append(delta)
+            if delta.finish_reason is not None:
+                del owner[delta.request_id]
+                cost.pop(delta.request_id, None)
+        for channel_id, batch in by_channel.items():
+            out = self._channels.get(channel_id)
+            if out is not None:
+                out.put_nowait(batch)
+
+    def _fail(self, error: str) -> None:
+        self._error = error
+        for out in self._channels.values():
+            out.put_nowait([HostError(error)])
+        self._owner.clear()
+        self._cost.clear()
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -140,13 +230,14 @@ class HostActor(EngineHost):
                 if not engine.has_unfinished:
                     continue
                 deltas = self._step()
-                if deltas:
-                    self._publish(deltas)
+                if deltas and self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._deliver, deltas)
         except Exception as exc:  # a bug, a device failure or a lost follower: fail loudly
             logger.exception("engine failed")
-            self._error = f"host {self.host_index} engine failed: {exc}"
-            for channel in list(self._channels.values()):
-                self._post(channel, [HostError(self._error)])
+            error = f"host {self.host_index} engine failed: {exc}"
+            self._error = error
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail, error)
 
     def _step(self) -> list[TokenDelta]:
         if self._lockstep is None:
@@ -166,29 +257,11 @@ class HostActor(EngineHost):
                                         value.params, value.sample_index)
             else:
                 self.engine.abort(value)
-                self._owner.pop(value, None)
+                self._loop.call_soon_threadsafe(self._aborting.discard, value)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _publish(self, deltas: list[TokenDelta]) -> None:
-        by_channel: dict[str, list[TokenDelta]] = {}
-        for delta in deltas:
-            channel = self._owner.get(delta.request_id)
-            if channel is None:
-                continue  # aborted meanwhile
-            by_channel.setdefault(channel, []).append(delta)
-            if delta.finish_reason is not None:
-                self._owner.pop(delta.request_id, None)
-        for channel_id, batch in by_channel.items():
-            channel = self._channels.get(channel_id)
-            if channel is not None:
-                self._post(channel, batch)
-
-    def _post(self, channel: asyncio.Queue, batch: list) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(channel.put_nowait, batch)
 
 
 def start_host(config: EngineConfig | None = None, *, num_cpus: float = 1.0,

@@ -68,8 +68,26 @@ class HostError(RuntimeError):
     """The engine of a host failed (or its replica fell out of step); its requests are lost."""
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceError:
+    """Sent on an output channel in place of a sequence's next deltas: it ended with ``error``
+    (the other sequences of the channel carry on)."""
+
+    request_id: str
+    error: BaseException
+
+
 class RouterOverloaded(RuntimeError):
-    """The router's queue is full; the client should retry later."""
+    """The engine replica chosen for a sequence already holds ``max_queued_requests`` sequences;
+    the client should retry later."""
+
+
+class ChannelClosed(RuntimeError):
+    """A host closed an output channel whose subscriber went silent; its requests were aborted."""
+
+
+class ServerDraining(RuntimeError):
+    """The server is shutting down: it takes no new sequences, and ends those still running."""
 
 
 class RequestRejected(ValueError):

@@ -1,23 +1,24 @@
-"""Replicas: groups of host actors placed on distinct hosts, and how a router talks to one.
+"""Replicas as Ray actors: groups of host actors placed on distinct hosts, for Ray programs.
 
 A replica is one ``HostActor`` (the lead, host 0) plus, when it spans several hosts, one
 ``FollowerHost`` per other host that runs the lead's steps in lockstep (``lockstep.py``). Only the
-lead takes requests and yields tokens. Where the hosts go is ``placement.py``'s business.
+lead takes requests and yields tokens. Where the hosts go is ``placement.py``'s business. (The
+Serve application runs its lead inside each ``Engine`` replica instead; see
+``meshserve.deploy.engine``.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import ray
 
 from meshserve.actors.host import HostActor
 from meshserve.actors.lockstep import FollowerHost, check_agreement
-from meshserve.actors.messages import GenerateSpec, HostInfo
+from meshserve.actors.messages import HostInfo
 from meshserve.actors.placement import HostSlot, Placement, place_hosts
 from meshserve.config import EngineConfig, PlacementConfig
-from meshserve.contracts.tokens import EngineStats, TokenDelta
 
 
 class ReplicaGroup:
@@ -37,20 +38,6 @@ class ReplicaGroup:
         self.node_ids = [info.node_id for info in infos]
         self.pids = [info.pid for info in infos]
         return infos[0]
-
-    async def submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:
-        return await self.lead.submit.remote(channel, specs)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.lead.abort.remote(request_ids)
-
-    async def stats(self) -> EngineStats:
-        return await self.lead.stats.remote()
-
-    async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
-        stream = self.lead.outputs.options(num_returns="streaming").remote(channel)
-        async for ref in stream:
-            yield await ref
 
     def kill(self) -> None:
         for host in self.hosts:

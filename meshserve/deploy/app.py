@@ -3,20 +3,53 @@
 Usable three ways with the same arguments: ``meshserve serve`` (the CLI), ``serve run
 meshserve.deploy.app:build_app model=/path ...``, and a KubeRay ``serveConfigV2`` whose
 application has ``import_path: meshserve.deploy.app:build_app`` and an ``args`` map. Building
-only describes the deployments; nothing loads weights or starts Ray until Serve runs it.
+only describes the deployments (and reads the cluster's nodes, when connected, to decide where the
+engine replicas go); nothing loads weights until Serve runs it.
+
+Two deployments: ``OpenAIIngress`` (``ingress_replicas`` replicas: HTTP, tokenizer, text) and
+``Engine`` (``num_replicas`` engine replicas, each owning its hosts' placement group). Every handle
+to ``Engine`` routes with ``EngineRouter``, inside the caller's process.
 """
 
 from __future__ import annotations
 
+from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from meshserve.deploy.engine import EngineReplica
+from meshserve.deploy.engine_placement import engine_placement
 from meshserve.deploy.ingress import OpenAIIngress
-from meshserve.deploy.router import RouterDeployment
+from meshserve.deploy.routing import EngineRouter
 from meshserve.deploy.settings import ServeSettings
+
+ENGINE_DEPLOYMENT = "Engine"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+ROUTING_STATS_PERIOD_S = 1.0  # how fresh every caller's view of other callers' load is
+
+
+def engine_deployment(settings: ServeSettings) -> Application:
+    """The ``Engine`` deployment of ``settings``, bound (usable alone from Ray programs)."""
+    placement = engine_placement(settings.placement)
+    router = RequestRouterConfig(
+        request_router_class=EngineRouter,
+        request_router_kwargs={"block_size": settings.engine.cache.block_size},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    deployment = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=settings.placement.num_replicas,
+        # Every caller holds one long-lived output stream per replica; admission is
+        # max_queued_requests, counted in sequences by the replica itself.
+        max_ongoing_requests=100_000, request_router_config=router,
+        # Loading may compile for minutes; a constructor that fails is a setting to fix.
+        max_constructor_retry_count=1,
+        health_check_period_s=2.0, health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=5,
+        **placement.deployment_options())
+    return deployment.bind(settings, placement)
 
 
 def build_app(args: dict | None = None) -> Application:
-    """The ingress → router → host actors application for ``ServeSettings.from_args(args)``."""
+    """The ingress → engines application for ``ServeSettings.from_args(args)``."""
     settings = args if isinstance(args, ServeSettings) else ServeSettings.from_args(args)
-    router = RouterDeployment.bind(settings)
-    return OpenAIIngress.bind(router, settings)
+    return OpenAIIngress.options(num_replicas=settings.ingress_replicas).bind(
+        engine_deployment(settings), settings)

@@ -1,9 +1,10 @@
-"""Fan a request out into sequences on the router, and turn their token streams into text.
+"""Fan a request out into sequences on the engines, and turn their token streams into text.
 
 One OpenAI request with several prompts and ``n`` samples becomes ``prompts × n`` sequences
-(choice ``i * n + j``), each its own router stream; this module runs them concurrently and yields
-``ChoiceEvent`` s in arrival order. Each choice is a ``meshserve.text.SequenceText``: text and
-stop strings are applied here, at the edge; the router and hosts only see token ids.
+(choice ``i * n + j``), each placed on an engine replica by ``EngineClient``; this module runs them
+concurrently and yields ``ChoiceEvent`` s in arrival order. Each choice is a
+``meshserve.text.SequenceText``: text and stop strings are applied here, at the edge; the engines
+only see token ids.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from meshserve.actors.messages import GenerateSpec
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
+from meshserve.deploy.client import EngineClient
 from meshserve.text.detokenizer import Tokenizer
 from meshserve.text.sequence import SequenceText
 
@@ -30,23 +32,23 @@ class ChoiceState(SequenceText):
     first_token_at: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChoiceEvent:
     """New text (and the tokens behind it) of one choice; ``finish_reason`` set on its last."""
 
     index: int
     text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None
 
 
 class ChoiceRunner:
-    """Runs the sequences of one request against the router and tracks their state."""
+    """Runs the sequences of one request on the engines and tracks their state."""
 
-    def __init__(self, router, tokenizer: Tokenizer, prompts: list[list[int]],
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, prompts: list[list[int]],
                  params: SamplingParams) -> None:
-        self.router = router
+        self.client = client
         self.tokenizer = tokenizer
         self.params = params
         self.request_id = uuid.uuid4().hex
@@ -60,7 +62,7 @@ class ChoiceRunner:
     async def start(self) -> None:
         """Submit every sequence; return once each has produced its first tokens.
 
-        A request the router refuses (overload, invalid prompt) raises here, before any
+        A request the engines refuse (overload, invalid prompt) raises here, before any
         response has been sent, so the client gets a proper HTTP status even when streaming.
         """
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -91,10 +93,6 @@ class ChoiceRunner:
         finally:
             await self.close()
 
-    def interrupt(self, reason: BaseException) -> None:
-        """End the request early: its consumer sees ``reason`` raised (e.g. a shutdown)."""
-        self._queue.put_nowait(reason)
-
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -111,7 +109,7 @@ class ChoiceRunner:
         queue = self._queue
         spec = GenerateSpec(f"{self.request_id}-{choice.index}", tuple(choice.prompt_token_ids),
                             self.params, sample_index=choice.index % self.params.n)
-        stream = self.router.options(stream=True).generate_stream.remote(spec)
+        stream = self.client.stream(spec)
         first = True
         try:
             async for batch in stream:
@@ -131,8 +129,8 @@ class ChoiceRunner:
         finally:
             if first:  # cancelled before any answer
                 self._first_response()
-            if choice.finish_reason is None or choice.stopped:
-                stream.cancel()  # stop string, error or disconnect: the router aborts the host
+            # A sequence ended here (stop string, error, disconnect) is aborted on its replica.
+            await stream.aclose()
             queue.put_nowait(None)
 
     @staticmethod
@@ -140,7 +138,7 @@ class ChoiceRunner:
         if choice.first_token_at is None:
             choice.first_token_at = time.monotonic()
         text = choice.apply(delta)
-        return ChoiceEvent(choice.index, text, list(delta.token_ids), list(delta.logprobs or ()),
+        return ChoiceEvent(choice.index, text, delta.token_ids, delta.logprobs or (),
                            choice.finish_reason)
 
     # ------------------------------------------------------------------ summaries

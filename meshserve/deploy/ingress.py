@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP ingress: a FastAPI app served as a Ray Serve deployment.
 
-It validates requests (pydantic), renders chat templates, tokenizes, hands token ids to the router,
-and turns what comes back into OpenAI responses or server-sent events. Every error leaves in
-OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a
-500, and never carries a stack trace.
+It validates requests (pydantic), renders chat templates, tokenizes, hands token ids to the engine
+replicas (``EngineClient``: its handle's ``EngineRouter`` picks a replica per sequence), and turns
+what comes back into OpenAI responses or server-sent events. It runs as several replicas
+(``ingress_replicas``), each with its own tokenizer and its own streams from the engines; none
+holds state another needs. Every error leaves in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500, and never
+carries a stack trace.
 """
 
 # No "from __future__ import annotations": FastAPI must see real types on the route methods.
@@ -20,15 +23,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshserve.actors.messages import HostInfo, RequestRejected, RouterOverloaded
+from meshserve.actors.messages import (HostInfo, RequestRejected, RouterOverloaded,
+                                       ServerDraining)
 from meshserve.contracts.prompt import PromptError
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
+from meshserve.deploy.client import EngineClient
+from meshserve.deploy.logs import configure_process_logging
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.metrics import ServingMetrics
-from meshserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                       ModelList, now)
+from meshserve.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from meshserve.deploy.settings import ServeSettings
 from meshserve.runner.loader import load_tokenizer
 
@@ -36,6 +41,8 @@ logger = logging.getLogger("meshserve.ingress")
 bind_serve_grpc_to_node_ip()
 
 app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
+LOADED_WAIT_S = 2.0  # how long a request waits for the engines' first answer before a 503
+REPLICA_HEADER = "x-meshserve-ingress"
 _UNION_TAG = re.compile(r"str|int|float|bool|[a-z_-]+\[.*\]|function-.*")
 
 
@@ -83,29 +90,46 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal error", None, "internal_error")
 
 
-@serve.deployment(name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+# PJRT_DEVICE: the ingress never computes; torch_xla, which its imports load, must not look for
+# (or claim) an accelerator.
+@serve.deployment(name="OpenAIIngress", num_replicas=1,
+                  ray_actor_options={"num_cpus": 0,
+                                     "runtime_env": {"env_vars": {"PJRT_DEVICE": "CPU"}}},
                   max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=0.5,
                   graceful_shutdown_timeout_s=10)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, router, settings: ServeSettings) -> None:
-        self.router = router
+    def __init__(self, engine, settings: ServeSettings) -> None:
+        configure_process_logging()
+        self.engine = EngineClient(engine)
+        # Which ingress replica answered: operators (and tests) can tell the replicas apart.
+        self.headers = {REPLICA_HEADER: serve.get_replica_context().replica_id.unique_id}
         self.settings = settings
         self.model_name = settings.model_name()
         self.tokenizer = load_tokenizer(settings.engine.model)
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
-        self._info: HostInfo | None = None
-        self._active: set[ChoiceRunner] = set()
-        self._draining = False
+        self._info_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ plumbing
+    async def _loaded(self, wait_s: float) -> HostInfo | None:
+        """The engines' model limits once some engine replica serves, else None after waiting
+        at most ``wait_s`` (the question stays asked in the background)."""
+        if self._info_task is None:
+            self._info_task = asyncio.ensure_future(self.engine.handle.info.remote())
+        await asyncio.wait([self._info_task], timeout=wait_s)
+        if not self._info_task.done():
+            return None
+        if self._info_task.exception() is not None:  # ask again next time
+            self._info_task = None
+            return None
+        return self._info_task.result()
+
     async def _model_info(self) -> HostInfo:
-        if self._info is None:
-            if not await self.router.ready.remote():
-                raise APIError(503, "the model is still loading", kind="service_unavailable")
-            self._info = await self.router.info.remote()
-        return self._info
+        info = await self._loaded(LOADED_WAIT_S)
+        if info is None:
+            raise APIError(503, "the model is still loading", kind="service_unavailable")
+        return info
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -156,29 +180,24 @@ class OpenAIIngress:
             raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
 
     async def _run(self, runner: ChoiceRunner, stream_fn, final_fn, stream: bool):
-        if self._draining:
-            raise APIError(503, "the server is shutting down", kind="service_unavailable")
-        self._active.add(runner)
         try:
             await runner.start()
         except Exception as exc:
-            self._active.discard(runner)
             error = self._translate(exc)
             self.metrics.requests.labels(status=str(error.status)).inc()
             raise error from None
         self.metrics.started()
         if stream:
-            return StreamingResponse(self._sse(runner, stream_fn), media_type="text/event-stream")
+            return StreamingResponse(self._sse(runner, stream_fn), media_type="text/event-stream",
+                                     headers=self.headers)
         try:
             async for _ in runner.events():
                 pass
         except Exception as exc:
             self.metrics.finished(runner, "error")
             raise self._translate(exc) from None
-        finally:
-            self._active.discard(runner)
         self.metrics.finished(runner, "ok")
-        return JSONResponse(final_fn(runner).model_dump(exclude_none=False))
+        return JSONResponse(final_fn(runner), headers=self.headers)
 
     async def _sse(self, runner: ChoiceRunner, stream_fn):
         status = "cancelled"
@@ -193,26 +212,9 @@ class OpenAIIngress:
                               "code": err.status}}
             yield f"data: {json.dumps(body)}\n\n"
         finally:
-            self._active.discard(runner)
             self.metrics.finished(runner, status)
         if status != "cancelled":
             yield "data: [DONE]\n\n"
-
-    async def drain(self, timeout_s: float) -> dict:
-        """Graceful shutdown: refuse new requests, let in-flight ones finish for up to
-        ``timeout_s``, then end the rest with an error event. Returns what happened."""
-        self._draining = True
-        in_flight = len(self._active)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._active and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        cancelled = len(self._active)
-        for runner in list(self._active):
-            runner.interrupt(APIError(503, "the server is shutting down",
-                                      kind="service_unavailable"))
-        while self._active:  # interrupted requests unwind (and abort their sequences) quickly
-            await asyncio.sleep(0.05)
-        return {"in_flight": in_flight, "finished": in_flight - cancelled, "cancelled": cancelled}
 
     def _translate(self, exc: Exception) -> APIError:
         if isinstance(exc, APIError):
@@ -220,6 +222,8 @@ class OpenAIIngress:
         if isinstance(exc, RouterOverloaded):
             return APIError(429, "the server is overloaded; retry later", None,
                             "rate_limit_error", {"Retry-After": "1"})
+        if isinstance(exc, ServerDraining):
+            return APIError(503, "the server is shutting down", kind="service_unavailable")
         if isinstance(exc, RequestRejected):
             return APIError(400, str(exc).splitlines()[-1], "prompt")
         logger.error("generation failed: %r", exc)
@@ -229,26 +233,21 @@ class OpenAIIngress:
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self) -> Response:
-        ready = not self._draining and await self.router.ready.remote()
-        return Response(status_code=200 if ready else 503)
+        return Response(status_code=200 if await self._loaded(LOADED_WAIT_S) else 503)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        try:
-            stats = await self.router.stats.remote()
-        except Exception:  # noqa: BLE001 - metrics stay available while replicas restart
-            stats = None
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        # Every engine replica's counters (one that is restarting is left out meanwhile).
+        replicas = await self.engine.each_replica("stats")
+        return Response(self.metrics.render(replicas, self.settings.placement.num_replicas),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        info = self._info
-        if info is None and await self.router.ready.remote():
-            info = await self._model_info()
-        card = ModelCard(id=self.model_name, created=now(),
-                         max_model_len=None if info is None else info.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        info = await self._loaded(LOADED_WAIT_S)
+        return JSONResponse(responses.model_list(
+            self.model_name, None if info is None else info.max_model_len))
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -256,7 +255,7 @@ class OpenAIIngress:
         info = await self._model_info()
         prompts = responses.completion_prompts(body.prompt, self.tokenizer)
         max_tokens = self._check_lengths(prompts, body.max_tokens, info)
-        runner = ChoiceRunner(self.router, self.tokenizer, prompts,
+        runner = ChoiceRunner(self.engine, self.tokenizer, prompts,
                               self._params(body, max_tokens, body.logprobs))
         view = responses.CompletionView(body, self.model_name, runner)
         return await self._run(runner, view.chunks, view.final, body.stream)
@@ -268,7 +267,7 @@ class OpenAIIngress:
         prompt = responses.chat_prompt(body.messages, self.tokenizer)
         max_tokens = self._check_lengths([prompt], body.requested_max_tokens, info)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        runner = ChoiceRunner(self.router, self.tokenizer, [prompt],
+        runner = ChoiceRunner(self.engine, self.tokenizer, [prompt],
                               self._params(body, max_tokens, logprobs))
         view = responses.ChatView(body, self.model_name, runner)
         return await self._run(runner, view.chunks, view.final, body.stream)

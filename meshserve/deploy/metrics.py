@@ -1,4 +1,5 @@
-"""Prometheus metrics of the HTTP edge, plus engine gauges read from the router at scrape time."""
+"""Prometheus metrics of the HTTP edge, plus engine gauges read from every engine replica at scrape
+time."""
 
 from __future__ import annotations
 
@@ -58,17 +59,18 @@ class ServingMetrics:
             if len(choice.token_ids) > 1:
                 self.tpot.observe((end - choice.first_token_at) / (len(choice.token_ids) - 1))
 
-    def render(self, router_stats: dict | None) -> bytes:
-        if router_stats is not None:
-            self.replicas.set(router_stats["replicas"])
-            self.healthy_replicas.set(router_stats["healthy_replicas"])
-            engines = router_stats["engines"]
-            self.running.set(sum(e["num_running"] for e in engines))
-            self.waiting.set(sum(e["num_waiting"] for e in engines))
-            total = sum(e["num_total_blocks"] for e in engines)
-            free = sum(e["num_free_blocks"] for e in engines)
-            self.free_blocks.set(free)
-            self.total_blocks.set(total)
-            self.kv_usage.set((total - free) / total if total else 0.0)
-            self.prefix_hits.set(sum(e["prefix_cache_hit_tokens"] for e in engines))
+    def render(self, replicas: list[dict], configured: int) -> bytes:
+        """The metrics, with engine gauges from ``replicas`` (each an ``Engine.stats`` answer:
+        the replicas that answered) out of ``configured``."""
+        self.replicas.set(configured)
+        self.healthy_replicas.set(len(replicas))
+        engines = [r["engine"] for r in replicas]
+        self.running.set(sum(e["num_running"] for e in engines))
+        self.waiting.set(sum(e["num_waiting"] for e in engines))
+        total = sum(e["num_total_blocks"] for e in engines)
+        free = sum(e["num_free_blocks"] for e in engines)
+        self.free_blocks.set(free)
+        self.total_blocks.set(total)
+        self.kv_usage.set((total - free) / total if total else 0.0)
+        self.prefix_hits.set(sum(e["prefix_cache_hit_tokens"] for e in engines))
         return generate_latest(self.registry)

@@ -26,7 +26,9 @@ class ServeSettings:
     served_model_name: str | None = setting(
         "the model name clients must send (default: the folder or file name)", None)
     max_queued_requests: int = setting(
-        "sequences in flight before the router answers 429", 512)
+        "sequences in flight on one engine replica before it answers 429", 512)
+    ingress_replicas: int = setting(
+        "HTTP ingress replicas; each validates, tokenizes and detokenizes its own requests", 1)
     max_body_bytes: int = setting("largest HTTP request body accepted, in bytes", 4 * 2**20)
     api_key: str | None = setting(
         f"require this bearer token on /v1 routes (or set {DEFAULT_API_KEY_ENV})", None)
@@ -34,7 +36,7 @@ class ServeSettings:
         f"environment variable that holds the API key (default {DEFAULT_API_KEY_ENV})", None)
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_body_bytes"):
+        for name in ("max_queued_requests", "max_body_bytes", "ingress_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

@@ -1,0 +1,195 @@
+"""``EngineClient``: one process's connection to the ``Engine`` deployment.
+
+Every sequence is submitted on its own (so ``EngineRouter`` places each by load and prefix), but
+the tokens of all of them come back over one stream per engine replica in use: each item of that
+stream is everything one or more engine steps produced for this process, which the client fans
+out to its sequences here, in-process. Token traffic is therefore one message per engine step per
+caller process, whatever the number of sequences.
+
+A sequence whose replica fails before it produced a token is submitted again (the router skips
+the failed replica); one that had started ends with ``ReplicaFailed``. While it has sequences on a
+replica the client renews its lease there every ``KEEPALIVE_S``; if this process dies, the
+replica aborts them once the lease runs out.
+
+The HTTP ingress uses one per replica; a Ray program can use one too::
+
+    client = EngineClient(serve.get_deployment_handle("Engine", app_name="meshserve"))
+    async for deltas in client.stream(spec):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+from collections.abc import AsyncIterator
+
+from meshserve.actors.channel import next_batch
+from meshserve.actors.messages import (Completion, GenerateSpec, RequestRejected,
+                                       SequenceError)
+from meshserve.contracts.tokens import TokenDelta
+from meshserve.deploy.engine import KEEPALIVE_S
+from meshserve.deploy.load import load_book, sequence_cost
+
+logger = logging.getLogger("meshserve.client")
+
+
+class ReplicaFailed(RuntimeError):
+    """The engine replica serving a sequence failed (or its stream broke)."""
+
+
+def _replica_lost(exc: BaseException) -> bool:
+    """Does ``exc`` say the replica (not the request) is gone?"""
+    import ray
+
+    from meshserve.deploy.load import ReplicaGone
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                            ReplicaGone))
+
+
+class EngineClient:
+    """Sequences of this process on the ``Engine`` deployment, over one stream per replica."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.book = load_book(handle.app_name, handle.deployment_name)
+        self.channel = self.book.caller_id
+        self._sequences: dict[str, asyncio.Queue] = {}  # request id -> its deltas
+        self._replica_of: dict[str, str] = {}  # request id -> engine replica id
+        self._pumps: dict[str, asyncio.Task] = {}  # engine replica id -> its stream's reader
+        self._keepalive: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ sequences
+    async def generate(self, spec: GenerateSpec) -> Completion:
+        deltas = [d async for batch in self.stream(spec) for d in batch]
+        return Completion.from_deltas(spec.request_id, deltas)
+
+    async def stream(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
+        """The deltas of one sequence, in batches; the last carries a finish reason. Closing the
+        iterator early aborts the sequence on its replica."""
+        attempts = max(2, len(self.replica_ids()))
+        for attempt in range(attempts):
+            produced = False
+            try:
+                # Closed explicitly: this generator's own close must abort the sequence now,
+                # not whenever the inner one is collected.
+                async with contextlib.aclosing(self._run(spec)) as run:
+                    async for batch in run:
+                        produced = True
+                        yield batch
+                return
+            except ReplicaFailed:
+                if produced or attempt == attempts - 1:
+                    raise
+                logger.warning("retrying %s on another replica", spec.request_id)
+
+    async def _run(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
+        request_id = spec.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._sequences[request_id] = queue
+        replica_id = None
+        finished = False
+        try:
+            try:
+                replica_id, error = await self._call("submit", self.channel, spec)
+            except Exception as exc:
+                if _replica_lost(exc):
+                    raise ReplicaFailed(f"an engine replica is unavailable: {exc}") from None
+                raise
+            if error is not None:
+                raise RequestRejected(error)
+            self._replica_of[request_id] = replica_id
+            self.book.hold(request_id, replica_id, sequence_cost(spec))
+            self._open(replica_id)
+            while not finished:
+                batch = await next_batch(queue)
+                if isinstance(batch[-1], SequenceError):
+                    finished = True  # ended there: nothing to abort
+                    raise batch[-1].error
+                finished = batch[-1].finish_reason is not None
+                yield batch
+        finally:
+            self._sequences.pop(request_id, None)
+            self._replica_of.pop(request_id, None)
+            self.book.release(request_id)
+            if not finished and replica_id is not None and replica_id in self._pumps:
+                # The caller left, or a stop string ended it here: free its blocks there now.
+                self._call("abort", [request_id], replica_id=replica_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort sequences of this client wherever they run."""
+        for request_id in request_ids:
+            replica_id = self._replica_of.get(request_id)
+            if replica_id is not None:
+                self._call("abort", [request_id], replica_id=replica_id)
+
+    # ------------------------------------------------------------------ replicas
+    def replica_ids(self) -> list[str]:
+        """The engine replicas this process's router currently sees."""
+        return sorted(self.book.replica_ids)
+
+    async def each_replica(self, method: str, *args) -> list:
+        """Call ``method`` on every engine replica; a replica that fails to answer is left out."""
+        async def one(replica_id: str):
+            try:
+                return await self._call(method, *args, replica_id=replica_id)
+            except Exception as exc:  # noqa: BLE001 - it died or is restarting
+                logger.info("engine replica %s did not answer %s: %r", replica_id, method, exc)
+                return None
+
+        answers = await asyncio.gather(*(one(r) for r in self.replica_ids()))
+        return [a for a in answers if a is not None]
+
+    def _call(self, method: str, *args, stream: bool = False, **kwargs):
+        """``handle.method.remote(...)``, made outside the current Serve request's context.
+
+        Inside a replica, calls inherit the request's internal id, so the sequences of one HTTP
+        request would all share one; Serve matches a routing decision to its call by that id, and
+        siblings sharing it wait forever. A fresh context gives each call its own.
+        """
+        handle = self.handle.options(stream=True) if stream else self.handle
+        return contextvars.Context().run(getattr(handle, method).remote, *args, **kwargs)
+
+    def _open(self, replica_id: str) -> None:
+        if replica_id not in self._pumps:
+            self._pumps[replica_id] = asyncio.get_running_loop().create_task(
+                self._pump(replica_id))
+        if self._keepalive is None:
+            self._keepalive = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _pump(self, replica_id: str) -> None:
+        """Fan this process's stream from one replica out to the sequences."""
+        try:
+            stream = self._call("outputs", self.channel, replica_id=replica_id, stream=True)
+            async for batch in stream:
+                by_sequence: dict[str, list] = {}
+                for item in batch:
+                    by_sequence.setdefault(item.request_id, []).append(item)
+                for request_id, items in by_sequence.items():
+                    queue = self._sequences.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(items)
+            raise ReplicaFailed("its output stream ended")
+        except Exception as exc:  # noqa: BLE001 - the replica died or its engine failed
+            logger.error("engine replica %s failed: %r", replica_id, exc)
+            self.book.mark_failed(replica_id)
+            failure = ReplicaFailed(f"engine replica {replica_id} failed: {exc}")
+            for request_id, owner in list(self._replica_of.items()):
+                queue = self._sequences.get(request_id)
+                if owner == replica_id and queue is not None:
+                    queue.put_nowait([failure])
+        finally:
+            self._pumps.pop(replica_id, None)
+
+    async def _renew(self) -> None:
+        """Keep this process's leases on the replicas it streams from."""
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            for replica_id in list(self._pumps):
+                try:
+                    self._call("keepalive", self.channel, replica_id=replica_id)
+                except Exception as exc:  # noqa: BLE001 - the next round tries again
+                    logger.warning("keep-alive to engine replica %s failed: %r", replica_id, exc)

@@ -1,0 +1,78 @@
+"""What one process has placed on the replicas of a deployment: the state its ``EngineRouter`` s
+and its ``EngineClient`` share.
+
+It is its own module because Serve copies the router's module into each caller by value; this one
+is imported by name, so every router and client of a process meets the same ``LoadBook``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from meshserve.actors.messages import GenerateSpec
+
+FAILED_FOR_S = 30.0  # how long a replica whose stream broke is skipped by this process
+
+
+class ReplicaGone(RuntimeError):
+    """A call meant for one engine replica found it no longer serving."""
+
+
+class LoadBook:
+    """This process's view of what it has placed on each replica of one deployment."""
+
+    def __init__(self) -> None:
+        self.caller_id = uuid.uuid4().hex[:16]  # how replicas tell this process's load apart
+        self._lock = threading.Lock()  # the router may run on its own event loop thread
+        self._held: dict[str, tuple[str, int]] = {}  # sequence id -> (replica id, tokens)
+        self._owed: dict[str, int] = {}
+        self._failed: dict[str, float] = {}
+        self.replica_ids: frozenset[str] = frozenset()  # what this process's routers see
+
+    def hold(self, key: str, replica_id: str, tokens: int) -> None:
+        """Count ``tokens`` against ``replica_id`` for sequence ``key`` (moving it if held)."""
+        with self._lock:
+            self._release(key)
+            self._held[key] = (replica_id, tokens)
+            self._owed[replica_id] = self._owed.get(replica_id, 0) + tokens
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._release(key)
+
+    def _release(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self._owed[held[0]] -= held[1]
+
+    def owed(self, replica_id: str) -> int:
+        return self._owed.get(replica_id, 0)
+
+    def mark_failed(self, replica_id: str) -> None:
+        self._failed[replica_id] = time.monotonic() + FAILED_FOR_S
+
+    def failed(self, replica_id: str) -> bool:
+        until = self._failed.get(replica_id)
+        return until is not None and time.monotonic() < until
+
+
+_BOOKS: dict[tuple[str, str], LoadBook] = {}
+_BOOKS_LOCK = threading.Lock()
+
+
+def load_book(app_name: str, deployment_name: str) -> LoadBook:
+    """The one ``LoadBook`` of this process for a deployment (its routers and clients share it)."""
+    with _BOOKS_LOCK:
+        return _BOOKS.setdefault((app_name, deployment_name), LoadBook())
+
+
+def sequence_cost(spec: GenerateSpec) -> int:
+    return len(spec.prompt_token_ids) + spec.params.max_tokens
+
+
+def spec_of(request) -> GenerateSpec | None:
+    """The sequence a call carries: ``generate(spec)``, ``generate_stream(spec)`` or
+    ``submit(channel, spec)``."""
+    return next((a for a in request.args[:2] if isinstance(a, GenerateSpec)), None)
