@@ -133,9 +133,11 @@ class HostActor(EngineHost):
 
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped (it takes no more work), or None while it serves."""
+        """Why the engine stopped or is stuck (it takes no more work), or None while it serves."""
         if self._error is None and not self._thread.is_alive():
             return f"host {self.host_index}: the engine thread has exited"
+        if self._error is None and self._lockstep is not None:
+            return self._lockstep.stall()  # a step run past its deadline cannot raise by itself
         return self._error
 
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
