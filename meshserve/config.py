@@ -91,6 +91,9 @@ class CacheConfig:
     memory_fraction: float = setting(
         "fraction of available host memory the KV cache may take when num_kv_blocks is unset",
         0.1)
+    device_memory_fraction: float = setting(
+        "fraction of an accelerator's free memory (TPU HBM, after the weights) the KV cache may "
+        "take when num_kv_blocks is unset", 0.9)
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
@@ -98,6 +101,8 @@ class CacheConfig:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                  f"must be at least 2 (one is reserved for padding), got {self.num_kv_blocks}")
         _require(0.0 < self.memory_fraction <= 1.0, "memory_fraction", "must be in (0, 1]")
+        _require(0.0 < self.device_memory_fraction <= 1.0, "device_memory_fraction",
+                 "must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)

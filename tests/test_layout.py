@@ -182,7 +182,8 @@ def test_serve_args_reach_every_engine_field() -> None:
     flat = EngineConfig().to_flat()
     changed = {"model": "/models/m", "generation_config": "vllm", "dtype": "bfloat16", "device": "xla", "seed": 3,
                "compile_cache_dir": "/tmp/cache", "block_size": 32, "num_kv_blocks": 99,
-               "enable_prefix_caching": False, "memory_fraction": 0.5, "max_num_seqs": 7,
+               "enable_prefix_caching": False, "memory_fraction": 0.5,
+               "device_memory_fraction": 0.5, "max_num_seqs": 7,
                "max_num_batched_tokens": 300, "max_model_len": 640, "bucket_gap": 64,
                "tensor_parallel_size": 2, "data_parallel_size": 2, "step_deadline_s": 5.0,
                "enforce_eager": True}

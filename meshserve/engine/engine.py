@@ -11,7 +11,6 @@ import sys
 import time
 from dataclasses import replace
 
-import psutil
 import torch
 
 from meshserve.config import EngineConfig
@@ -43,28 +42,30 @@ def resolve_dtype(dtype: str, backend: Backend) -> torch.dtype:
 
 
 class EngineCore:
-    """One engine: a scheduler, a block manager and a runner over one model."""
+    """One engine: a scheduler, a block manager and a runner over one model.
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        start = time.perf_counter()
+    Construction loads the weights onto the device, then sizes the KV cache from the memory left
+    (``kv_blocks_available``), allocates it and warms up. A replica of several hosts passes
+    ``allocate=False`` instead: each host reports what it could hold, the replica takes the
+    minimum, and every host calls ``allocate`` with it (vLLM's sizing handshake, across hosts).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 allocate: bool = True) -> None:
+        self._started = time.perf_counter()
         self.config = config
         self.backend = create_backend(config.device, config.parallel, config.compile_cache_dir)
         dtype = resolve_dtype(config.dtype, self.backend)
         self.loaded = loaded or load_model(config.model, dtype=dtype)
-        num_blocks, self.max_model_len = self._size_kv_cache(dtype)
-        sched = replace(config.scheduler, max_model_len=self.max_model_len)
+        sched = config.scheduler
+        model_max = self.loaded.config.max_position_embeddings
+        self._wanted_len = min(sched.max_model_len or model_max, model_max)
         self.runner = ModelRunner(
             self.loaded, self.backend, dtype, block_size=config.cache.block_size,
             max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len, bucket_gap=sched.bucket_gap, seed=config.seed,
+            max_positions=self._wanted_len, bucket_gap=sched.bucket_gap, seed=config.seed,
             enforce_eager=config.enforce_eager)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.warm_up()  # compiles every program, so serving never does
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.block_manager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
-        self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
         self.structured = StructuredOutputManager(self.loaded.tokenizer,
                                                   self.loaded.config.vocab_size, self.eos_token_ids)
         # What a request that leaves a sampling field unset gets (vLLM's --generation-config).
@@ -73,39 +74,53 @@ class EngineCore:
         shown = ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items())
         print(f"meshserve: generation defaults: {shown or 'neutral'} (generation_config="
               f"{config.generation_config})", file=sys.stderr, flush=True)
-        logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-                    time.perf_counter() - start, self.loaded.name, self.backend.name,
-                    num_blocks, config.cache.block_size, self.max_model_len)
+        # Blocks this host can hold (an explicit num_kv_blocks is taken as it is).
+        self.kv_blocks_available = config.cache.num_kv_blocks or self._measure_kv_blocks(dtype)
+        if allocate:
+            self.allocate(self.kv_blocks_available)
 
-    def _size_kv_cache(self, dtype: torch.dtype) -> tuple[int, int]:
-        """The KV sizing handshake: the runner's block size in bytes, the engine's block count.
-
-        Returns (number of blocks including the null block, max_model_len). An explicit
-        max_model_len that the cache cannot hold is an error; a default one is capped.
-        """
+    def _measure_kv_blocks(self, dtype: torch.dtype) -> int:
+        """Blocks that fit in the memory left after the weights: a fraction of the device's
+        free memory (HBM on a TPU) or of the host's available RAM, capped at what every sequence
+        at full length needs."""
         cache, sched = self.config.cache, self.config.scheduler
-        block_size = cache.block_size
-        model_max = self.loaded.config.max_position_embeddings
-        wanted_len = min(sched.max_model_len or model_max, model_max)
-        if cache.num_kv_blocks is not None:
-            num_blocks = cache.num_kv_blocks
-        else:
-            budget = psutil.virtual_memory().available * cache.memory_fraction
-            fits = int(budget // kv_bytes_per_block(self.loaded.config, block_size, dtype,
-                                                    self.config.parallel.tensor_parallel_size))
-            # No use holding more than every sequence at full length (+1 for the null block).
-            num_blocks = min(fits, sched.max_num_seqs * -(-wanted_len // block_size) + 1)
+        free, fraction = self.backend.free_memory(), cache.memory_fraction
+        per_block = kv_bytes_per_block(self.loaded.config, cache.block_size, dtype,
+                                       self.config.parallel.tensor_parallel_size)
+        if self.backend.on_tpu:  # the cache is split over the model axis; HBM is per chip
+            per_block //= self.config.parallel.tensor_parallel_size
+            fraction = cache.device_memory_fraction
+        fits = int(free * fraction // per_block)
+        # No use holding more than every sequence at full length (+1 for the null block).
+        return max(min(fits, sched.max_num_seqs * -(-self._wanted_len // cache.block_size) + 1),
+                   2)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks (the null block included), warm up, and open for
+        requests. An explicit max_model_len the cache cannot hold is an error; a default one is
+        capped at what it holds."""
+        block_size = self.config.cache.block_size
+        self.max_model_len = self._wanted_len
         capacity = (num_blocks - 1) * block_size
-        if capacity < wanted_len:
-            if sched.max_model_len is not None:
+        if capacity < self.max_model_len:
+            if self.config.scheduler.max_model_len is not None:
                 raise ValueError(
-                    f"max_model_len: {wanted_len} does not fit in {num_blocks} KV blocks of "
-                    f"{block_size} tokens; raise num_kv_blocks or lower max_model_len to at most "
-                    f"{capacity}")
-            wanted_len = capacity
-        if wanted_len < 2:
+                    f"max_model_len: {self.max_model_len} does not fit in {num_blocks} KV blocks "
+                    f"of {block_size} tokens; raise num_kv_blocks or lower max_model_len to at "
+                    f"most {capacity}")
+            self.max_model_len = capacity
+        if self.max_model_len < 2:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks hold no sequence")
-        return num_blocks, wanted_len
+        self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
+        self.runner.warm_up()  # compiles every program, so serving never does
+        self.block_manager = BlockManager(num_blocks, block_size,
+                                          self.config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(replace(self.config.scheduler,
+                                           max_model_len=self.max_model_len), self.block_manager)
+        self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
+        logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                    time.perf_counter() - self._started, self.loaded.name, self.backend.name,
+                    num_blocks, block_size, self.max_model_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

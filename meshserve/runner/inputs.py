@@ -10,11 +10,12 @@ replica can fingerprint what it is about to run and compare before the device do
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from meshserve.contracts.sampling import MAX_LOGPROBS
+from meshserve.contracts.step import GrammarBitmask
 from meshserve.runner.attention import StepLayout
 from meshserve.runner.attention.paged_cpu import MIN_SIZE
 from meshserve.runner.buckets import pick_bucket
@@ -50,10 +51,13 @@ class PreparedStep:
             "sampled_rows": (self.logits_index, self.completes),
             "sampling": (s.temperature, s.top_k, s.top_p, s.min_p, s.uniform),
         }
+        if s.grammar_bitmask is not None:
+            arrays["grammar"] = (s.grammar_bitmask, s.grammar_rows)
         parts = {name: _digest(values) for name, values in arrays.items()}
         parts["program"] = (f"tokens={self.token_bucket} rows={self.rows} "
                             f"ranked={s.use_top_k or s.use_top_p} logprobs={self.num_logprobs} "
-                            f"penalties={s.penalties is not None}")
+                            f"penalties={s.penalties is not None} "
+                            f"grammar={s.grammar_bitmask is not None}")
         return parts
 
 
@@ -80,7 +84,8 @@ class StepInputs:
         # Draws for unseeded requests; the same seed on every host keeps lockstep replicas equal.
         self.rng = np.random.default_rng(seed)
 
-    def prepare(self, num_scheduled_tokens: dict[str, int]) -> PreparedStep:
+    def prepare(self, num_scheduled_tokens: dict[str, int],
+                grammar: GrammarBitmask | None = None) -> PreparedStep:
         batch = self.batch
         scheduled = np.fromiter((num_scheduled_tokens.get(r, 0)
                                  for r in batch.req_ids[:batch.num_reqs]), dtype=np.int32,
@@ -94,8 +99,12 @@ class StepInputs:
                                                                                      MIN_SIZE)
         logits_index = np.zeros(rows, dtype=np.int64)  # padding rows read token 0, then drop
         logits_index[:len(active)] = layout.query_start_loc[1:][active] - 1
-        return PreparedStep(layout, active, completes, logits_index,
-                            self.sampling(active, completes, rows),
+        sampling = self.sampling(active, completes, rows)
+        if grammar is not None:
+            sampled_ids = [batch.req_ids[r] if c else None for r, c in zip(active, completes)]
+            bitmask, constrained = grammar.rows(sampled_ids, rows)
+            sampling = replace(sampling, grammar_bitmask=bitmask, grammar_rows=constrained)
+        return PreparedStep(layout, active, completes, logits_index, sampling,
                             self.num_logprobs(active, completes), len(layout.input_ids))
 
     # ------------------------------------------------------------------ tokens

@@ -58,25 +58,25 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, *,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, bucket_gap: int = 0, seed: int = 0,
+                 max_positions: int, bucket_gap: int = 0, seed: int = 0,
                  enforce_eager: bool = False) -> None:
+        """``max_positions`` bounds the context (rotary tables); the KV cache, and with it the
+        persistent batch, comes with ``allocate_kv_cache`` once the engine has sized it."""
         self.backend = backend
         self.device = backend.device
         self.plan = plan_sharding(loaded.config, backend.mesh)
         self.config = self.plan.config  # KV heads as the mesh holds them
         self.dtype = dtype
         self.block_size = block_size
-        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.bucket_gap = bucket_gap
+        self.seed = seed
         self.attention = select_attention(backend, self.config, max_num_seqs)
-        self.model = self._build_model(loaded, max_model_len)
-        self.batch = InputBatch(max_num_seqs, max_model_len, -(-max_model_len // block_size))
-        self.inputs = StepInputs(
-            self.batch, block_size=block_size, max_model_len=max_model_len,
-            vocab_size=self.config.vocab_size,
-            token_buckets=token_buckets(max_num_batched_tokens, bucket_gap),
-            request_buckets=request_buckets(max_num_seqs),
-            static_shapes=backend.static_shapes, seed=seed)
+        self.model = self._build_model(loaded, max_positions)
+        self.max_model_len = 0  # set by allocate_kv_cache
+        self.batch: InputBatch | None = None
+        self.inputs: StepInputs | None = None
         self.kv_caches: list[KVCache] = []
         self.bound_caches: tuple[Any, ...] = ()  # what each layer holds: a cache id on cpu
         self.warm_up_report: WarmUpReport | None = None
@@ -92,9 +92,9 @@ class ModelRunner:
         return CompiledPiece(fn, backend=backend.compile_backend, dynamic=not backend.static_shapes,
                              eager=eager, options=backend.compile_options, cut=backend.sync)
 
-    def _build_model(self, loaded: LoadedModel, max_model_len: int) -> LlamaForCausalLM:
+    def _build_model(self, loaded: LoadedModel, max_positions: int) -> LlamaForCausalLM:
         rotary = Rotary(loaded.rope_inv_freq, loaded.rope_attention_scaling,
-                        max_model_len).to(self.dtype).to(self.device)
+                        max_positions).to(self.dtype).to(self.device)
         # Build on the meta device: parameters are assigned from the loaded weights, not initialised.
         with torch.device("meta"):
             model = LlamaForCausalLM(self.config, rotary, self.attention)
@@ -110,7 +110,18 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     # ------------------------------------------------------------------ KV cache handshake
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate ``num_blocks`` blocks per layer and a persistent batch for sequences of up to
+        ``max_model_len`` tokens."""
+        self.max_model_len = max_model_len
+        self.batch = InputBatch(self.max_num_seqs, max_model_len,
+                                -(-max_model_len // self.block_size))
+        self.inputs = StepInputs(
+            self.batch, block_size=self.block_size, max_model_len=max_model_len,
+            vocab_size=self.config.vocab_size,
+            token_buckets=token_buckets(self.max_num_batched_tokens, self.bucket_gap),
+            request_buckets=request_buckets(self.max_num_seqs),
+            static_shapes=self.backend.static_shapes, seed=self.seed)
         c = self.config
         shapes = self.attention.cache_shapes(num_blocks, self.block_size, c.num_key_value_heads,
                                              c.head_dim)
@@ -165,7 +176,7 @@ class ModelRunner:
         self._apply_step(step)
         if step.is_empty:
             return None
-        return self.inputs.prepare(step.num_scheduled_tokens)
+        return self.inputs.prepare(step.num_scheduled_tokens, step.grammar)
 
     @torch.no_grad()  # torch_xla cannot run under inference_mode
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -192,7 +203,8 @@ class ModelRunner:
                                self.to_device(p.logits_index))  # [R, hidden]
         logits = self.logits(rows if static else None, selected)  # [R, vocab]
         s = p.sampling
-        key = (rows, s.use_top_k or s.use_top_p, p.num_logprobs) if static else None
+        key = (rows, s.use_top_k or s.use_top_p, p.num_logprobs,
+               s.grammar_bitmask is not None) if static else None
         return self.sample(key, logits, self.sampling_tensors(s), p.num_logprobs)
 
     def _compute_logits(self, selected: torch.Tensor) -> torch.Tensor:

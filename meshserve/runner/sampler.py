@@ -19,6 +19,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from meshserve.runner.grammar_mask import apply_grammar_bitmask
+
 Array = TypeVar("Array")  # np.ndarray while the runner lays a step out, torch.Tensor on the device
 
 
@@ -45,13 +47,17 @@ class SamplingTensors(Generic[Array]):
     use_top_p: bool
     use_min_p: bool
     penalties: PenaltyTensors[Array] | None = None
+    # Grammar masks (runner/grammar_mask.py), or None when no row is constrained this step.
+    grammar_bitmask: Array | None = None  # [R, ceil(V / 32)] int32, 32 tokens per word
+    grammar_rows: Array | None = None  # [R] bool: the row's mask applies
 
     def map(self, fn: Callable[[Array], Any]) -> "SamplingTensors[Any]":
         """The same inputs with every array passed through ``fn`` (numpy to device tensors)."""
         def arrays(obj: Any) -> dict[str, Any]:
-            return {f.name: fn(getattr(obj, f.name)) for f in fields(obj)
+            return {f.name: fn(value) for f in fields(obj)
                     if f.name not in ("all_greedy", "use_top_k", "use_top_p", "use_min_p",
-                                      "penalties")}
+                                      "penalties")
+                    and (value := getattr(obj, f.name)) is not None}
 
         penalties = None if self.penalties is None else replace(self.penalties,
                                                                 **arrays(self.penalties))
@@ -70,9 +76,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> Sampl
     """Pick one token per row of ``logits`` ``[R, vocab]`` (fp32).
 
     ``num_logprobs > 0`` also returns the sampled token's log probability and the top
-    ``num_logprobs`` of the model's unmodified distribution.
+    ``num_logprobs`` of the model's unmodified distribution. Rows a grammar constrains sample
+    only the tokens their mask allows.
     """
     processed = logits if t.penalties is None else apply_penalties(logits, t.penalties)
+    if t.grammar_bitmask is not None:
+        processed = apply_grammar_bitmask(processed, t.grammar_bitmask, t.grammar_rows)
     greedy = processed.argmax(dim=-1)
     if t.all_greedy:
         tokens = greedy

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from meshserve.contracts.sampling import MAX_LOGPROBS
+from meshserve.contracts.step import GrammarBitmask, bitmask_words
 from meshserve.runner.attention import AttentionBackend, AttentionMetadata
 from meshserve.runner.buckets import reachable_request_buckets
 from meshserve.runner.compiled import CompiledPiece
@@ -117,7 +118,8 @@ def _warm_up_static(runner: Runner) -> int:
              for r in reachable_request_buckets(inputs.request_buckets,
                                                 min(t, runner.max_num_batched_tokens))]
     rows = sorted({r for _, r in pairs})
-    samplers = list(itertools.product((False, True), (0, MAX_LOGPROBS)))
+    # Rank filters on or off, logprobs on or off, grammar masks on or off.
+    samplers = list(itertools.product((False, True), (0, MAX_LOGPROBS), (False, True)))
     progress = _Progress(len(inputs.token_buckets) + len(pairs) + len(rows) * (1 + len(samplers)))
     selected = {}
     for t in inputs.token_buckets:
@@ -132,9 +134,14 @@ def _warm_up_static(runner: Runner) -> int:
         progress(f"logits, {r} requests")
         logits = runner.logits.warm_up(r, selected[r])
         arrays = inputs.sampling(nothing, nothing.astype(bool), r)
-        for ranked, k in samplers:
+        free = GrammarBitmask((), np.zeros((0, bitmask_words(inputs.vocab_size)), np.int32))
+        bitmask, constrained = free.rows([], r)  # every row free: padding
+        for ranked, k, masked in samplers:
             progress(f"sampling, {r} requests, {'with' if ranked else 'no'} top-k/top-p, "
-                     f"{'with' if k else 'no'} logprobs")
-            tensors = runner.sampling_tensors(replace(arrays, use_top_k=ranked, use_top_p=ranked))
-            runner.sample.warm_up((r, ranked, k), logits, tensors, k)
+                     f"{'with' if k else 'no'} logprobs, {'with' if masked else 'no'} grammar")
+            variant = replace(arrays, use_top_k=ranked, use_top_p=ranked)
+            if masked:
+                variant = replace(variant, grammar_bitmask=bitmask, grammar_rows=constrained)
+            runner.sample.warm_up((r, ranked, k, masked), logits,
+                                  runner.sampling_tensors(variant), k)
     return progress.total  # one program (or lazily traced graph) per call

@@ -93,6 +93,18 @@ class Backend:
         xs.mark_sharding(placed, self.mesh, spec)
         return placed
 
+    def free_memory(self) -> int:
+        """Bytes free where the KV cache will live: a TPU chip's HBM (torch_xla's memory info),
+        else the host's available RAM (the cpu backend, and XLA on the PJRT CPU client)."""
+        if self.on_tpu:
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(self.device)
+            return int(info["bytes_limit"] - info["bytes_used"])
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
     def donate(self, tensors: list[torch.Tensor]) -> None:
         """Let XLA reuse these tensors' buffers for the outputs of the next program that takes
         them (the KV cache, updated out of place each step, without a second copy)."""
