@@ -66,12 +66,18 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any,
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(StructuredOutputParams(json=schema), "required")
+        return ToolPlan(_compact(schema), "required")
     name = _named_choice(tool_choice)
     if name not in schemas:
         known = ", ".join(schemas) or "none"
         raise StructuredOutputError("tool_choice", f"names no tool: {name!r} (tools: {known})")
-    return ToolPlan(StructuredOutputParams(json=schemas[name]), "named", name)
+    return ToolPlan(_compact(schemas[name]), "named", name)
+
+
+def _compact(schema: dict) -> StructuredOutputParams:
+    # Arguments are read by programs, not people: whitespace between their tokens only costs
+    # tokens (and lets a sampled model pad a call until max_tokens).
+    return StructuredOutputParams(json=schema, disable_any_whitespace=True)
 
 
 def _checked_tools(tools: list[Mapping[str, Any]]) -> list[tuple[str, dict]]:
