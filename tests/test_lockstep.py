@@ -86,17 +86,46 @@ class ShiftedInputsFollower(FollowerHost):
         return super().prepare(number, step)
 
 
+class LeadWithLessMemory(HostActor):
+    """Test-only: a lead host whose device reports ``LEAD_FREE`` bytes free."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pretend_free_memory(LEAD_FREE)
+        super().__init__(*args, **kwargs)
+
+
+class FollowerWithLessMemory(FollowerHost):
+    """Test-only: a follower host whose device reports ``FOLLOWER_FREE`` bytes free."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pretend_free_memory(FOLLOWER_FREE)
+        super().__init__(*args, **kwargs)
+
+
+LEAD_FREE, FOLLOWER_FREE = 2 << 20, 1 << 20
+BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # K and V x 2 layers x 16 slots x 2 KV heads x 16 x fp32
+
+
+def pretend_free_memory(free: int) -> None:
+    """What this host's backend measures (its own process only): less than the machine has."""
+    from meshserve.spmd.backend import Backend
+
+    Backend.free_memory = lambda self: free
+
+
 @pytest.fixture
 def replica(cluster, tiny_llama_dir, request):
-    follower_class = getattr(request, "param", FollowerHost)
-    config = EngineConfig.from_flat({"model": tiny_llama_dir, **ENGINE})
+    lead_class, follower_class, engine = getattr(request, "param", (HostActor, FollowerHost, {}))
+    config = EngineConfig.from_flat({"model": tiny_llama_dir, **ENGINE, **engine})
     placement = place_hosts(num_replicas=1, hosts_per_replica=2, host_num_cpus=1)
     lead_slot, follower_slot = placement.replicas[0]
     follower = ray.remote(follower_class).options(**follower_slot.actor_options()).remote(
         config, host_index=1)
-    lead = ray.remote(HostActor).options(**lead_slot.actor_options()).remote(
+    lead = ray.remote(lead_class).options(**lead_slot.actor_options()).remote(
         config, followers=[follower])
-    infos = ray.get([lead.info.remote(), follower.info.remote()], timeout=180)
+    # The lead answers once the hosts have agreed on and allocated the cache; the follower after.
+    infos = [ray.get(lead.info.remote(), timeout=180)]
+    infos.append(ray.get(follower.info.remote(), timeout=180))
     yield lead, follower, infos
     for actor in (lead, follower):
         ray.kill(actor)
@@ -114,7 +143,8 @@ def drain(stream, timeout: float) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replica", [ShiftedInputsFollower], indirect=True)
+@pytest.mark.parametrize("replica", [(HostActor, ShiftedInputsFollower, {})],
+                         indirect=True)
 def test_a_follower_with_other_inputs_fails_the_replica_before_it_runs(replica) -> None:
     lead, _, _ = replica
     # One request at a time, so the third step admits a new request whose prompt is shifted.
@@ -136,13 +166,14 @@ class OtherBucketsFollower(FollowerHost):
     """Test-only: this host's runner pads every step to its buckets, where the lead's (cpu)
     runs the exact sizes: the same inputs, another compiled program."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def allocate(self, num_blocks: int) -> None:
+        super().allocate(num_blocks)  # the runner lays steps out once its cache exists
         self.engine.runner.inputs.static_shapes = True
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replica", [OtherBucketsFollower], indirect=True)
+@pytest.mark.parametrize("replica", [(HostActor, OtherBucketsFollower, {})],
+                         indirect=True)
 def test_a_follower_that_picks_another_bucket_fails_the_replica_before_it_runs(replica) -> None:
     lead, _, _ = replica
     with pytest.raises(HostError, match=r"host 1 would run a different step 1 than the lead; "
@@ -203,3 +234,19 @@ def test_a_step_stuck_in_the_lead_is_reported_once_past_the_deadline() -> None:
         engine.release.set()
         thread.join(timeout=10)
     assert lockstep.stall() is None and lockstep.num_steps == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replica", [(LeadWithLessMemory, FollowerWithLessMemory, {
+    "num_kv_blocks": None, "memory_fraction": 0.1, "dtype": "float32", "max_model_len": 128})],
+    indirect=True)
+def test_hosts_with_different_free_memory_allocate_the_smallest_cache(replica) -> None:
+    lead, follower, (lead_info, follower_info) = replica
+    smallest = int(FOLLOWER_FREE * 0.1 // BYTES_PER_BLOCK)  # the follower's figure
+    assert int(LEAD_FREE * 0.1 // BYTES_PER_BLOCK) > smallest  # the lead alone would take more
+    # Every host allocated the smallest figure (HostInfo leaves the padding block out).
+    assert lead_info.num_total_blocks == follower_info.num_total_blocks == smallest - 1
+    # The agreed cache serves: a prompt that needs most of it runs on both hosts in step.
+    tokens = ray.get(lead.generate.remote(list(range(7, 107)), SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True)), timeout=120).token_ids
+    assert len(tokens) == 20

@@ -49,8 +49,8 @@ def test_a_frozen_host_fails_its_replica_within_the_deadline_and_serving_comes_b
         server = start_server(
             ["--address", cluster.address, "--model", tiny_llama_dir, "--device", "cpu",
              "--hosts-per-replica", "2", "--num-replicas", "2",
-             "--step-deadline-s", str(DEADLINE_S), "--num-kv-blocks", "200",
-             "--max-model-len", "512"], tmp_path / "serve.log")
+             "--step-deadline-s", str(DEADLINE_S), "--max-model-len", "512"],
+            tmp_path / "serve.log")
         try:
             hosts = followers()
             assert len(hosts) == 2

@@ -24,6 +24,9 @@ then replaces the replica, process and all. A follower that differs, raises, die
 is late fails the whole replica with a ``HostError``: a replica whose hosts disagree is producing
 garbage, so it must never carry on quietly.
 
+Before the first step the hosts agree on one KV cache size (``agree_on_kv_cache``): each
+measures what its memory holds after loading the weights, and all allocate the smallest figure.
+
 What each host computes differs by machine. On CPU hosts every host runs the whole model on its
 own copy of the weights and KV cache, so the replica is no faster than one host: the lockstep is
 real, the parallelism is not. On a TPU slice, torch_xla's multi-host SPMD runs one program over
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -43,9 +47,13 @@ from meshserve.actors.engine_host import EngineHost
 from meshserve.actors.messages import HostError, HostInfo
 from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 
+from meshserve.config import EngineConfig
+
 if TYPE_CHECKING:
     from meshserve.engine.engine import EngineCore
     from meshserve.runner.inputs import PreparedStep
+
+logger = logging.getLogger("meshserve.lockstep")
 
 Fingerprint = dict[str, str]
 
@@ -106,6 +114,18 @@ class FollowerHost(EngineHost):
     """
 
     _pending: tuple[int, PreparedStep | None] | None = None
+
+    def __init__(self, config: EngineConfig, host_index: int = 0,
+                 num_threads: int | None = None) -> None:
+        # Load and place the weights, measure what is left; the lead then settles the cache size
+        # (``agree_on_kv_cache``), which is why no info() is answered before allocate().
+        super().__init__(config, host_index, num_threads, allocate=False)
+
+    def kv_blocks_available(self) -> int:
+        return self.engine.kv_blocks_available
+
+    def allocate(self, num_blocks: int) -> None:
+        self.engine.allocate(num_blocks)
 
     def prepare(self, number: int, step: SchedulerOutput) -> Fingerprint:
         """Lay step ``number`` out and say what this host would run; nothing executes yet."""
@@ -192,6 +212,34 @@ class Lockstep:
                             f"step: {exc}") from None
 
 
+def agree_on_kv_cache(engine: EngineCore, followers: Sequence) -> int:
+    """Size one KV cache for the whole replica and allocate it on every host.
+
+    Every host has loaded its weights and measured the blocks the memory left can hold
+    (``EngineCore(allocate=False)``: free HBM on a TPU, available RAM elsewhere, or an explicit
+    ``num_kv_blocks``). The steps name block ids, so every host must hold the same cache: the
+    replica takes the smallest figure, and every host allocates and warms up with it, all at once
+    (on a slice, warm-up runs the SPMD programs, whose collectives need every host).
+    Returns the block count.
+    """
+    counts = [engine.kv_blocks_available, *(_result(f.kv_blocks_available.remote())
+                                            for f in followers)]
+    blocks = min(counts)
+    if len(set(counts)) > 1:
+        logger.info("KV cache: %d blocks on every host, the smallest host's (host %d); the hosts "
+                    "could hold %s", blocks, counts.index(blocks), counts)
+    allocated = [f.allocate.remote(blocks) for f in followers]
+    engine.allocate(blocks)
+    for ref in allocated:
+        _result(ref)
+    return blocks
+
+
+def _result(ref):
+    # A future, not ray.get, for the same reason as in Lockstep: no warning in an async actor.
+    return ref.future().result()
+
+
 def check_agreement(infos: Sequence[HostInfo]) -> None:
     """Every host of a replica must hold the same cache shape: the steps name block ids."""
     lead = infos[0]
@@ -201,5 +249,6 @@ def check_agreement(infos: Sequence[HostInfo]) -> None:
             raise HostError(
                 f"hosts of one replica sized their KV caches differently: host 0 has "
                 f"{lead.num_total_blocks} blocks and max_model_len {lead.max_model_len}, host "
-                f"{info.host_index} has {info.num_total_blocks} and {info.max_model_len}; set "
-                f"num_kv_blocks (and max_model_len) so every host allocates the same cache")
+                f"{info.host_index} has {info.num_total_blocks} and {info.max_model_len}; they "
+                f"must agree on one size (agree_on_kv_cache, or the same num_kv_blocks "
+                f"everywhere) before the first step")
