@@ -16,14 +16,15 @@ class EngineHost:
     """Builds one engine on this host; ``HostActor`` (lead) and ``FollowerHost`` extend it."""
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, *, allocate: bool = True) -> None:
         import ray
         import torch
 
         # Ray sets OMP_NUM_THREADS to the actor's CPU count; the engine wants every core it owns.
         # (torch applies this count to threads started later too, such as the engine thread.)
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        self.engine = EngineCore(config)
+        # allocate=False: weights only; a multi-host replica sizes its cache by agreement first.
+        self.engine = EngineCore(config, allocate=allocate)
         self.host_index = host_index
         self.node_id = ray.get_runtime_context().get_node_id()
 

@@ -8,10 +8,12 @@ delta goes to.
 
 Results leave through output channels: a subscriber (an HTTP ingress replica, through
 ``meshserve.deploy.client.EngineClient``) submits any number of sequences on one channel and reads
-one stream of batches for all of them, each batch everything one or more steps produced for that
-channel. Ray programs can also call a host directly (``generate`` / ``generate_stream``), which is
-how batch jobs use a host without Serve; the Serve ``Engine`` deployment
-(``meshserve.deploy.engine``) runs one in each of its replicas.
+one Ray stream of batches for all of them (``outputs``), each batch everything one or more steps
+produced for that channel. A subscriber holds a lease on its channel (``keepalive``); a channel
+unheard of for ``LEASE_S`` belongs to a caller that died (Ray does not end a stream whose reader
+is gone), so its requests are aborted and their KV blocks freed. Ray programs can also call a
+host directly (``generate`` / ``generate_stream``), which is how batch jobs use a host without
+Serve; each replica of the Serve ``Engine`` deployment (``meshserve.deploy.engine``) owns one.
 
 In a multi-host replica the ``HostActor`` is the lead and the other hosts are ``FollowerHost`` s
 (see ``lockstep.py``); both share ``EngineHost`` (``engine_host.py``) for what every host does.
@@ -24,15 +26,16 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from meshserve.actors.channel import next_batch
 from meshserve.actors.engine_host import EngineHost
-from meshserve.actors.lockstep import Lockstep
+from meshserve.actors.lockstep import Lockstep, agree_on_kv_cache
 from meshserve.actors.messages import (ChannelClosed, Completion, GenerateSpec, HostError,
-                                       SequenceError)
+                                       RouterOverloaded, SequenceError, ServerDraining)
 from meshserve.config import EngineConfig
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import EngineStats, TokenDelta
@@ -42,15 +45,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("meshserve.host")
 
+LEASE_S = 15.0  # a subscriber silent this long is gone; EngineClient renews every KEEPALIVE_S
+KEEPALIVE_S = 1.0
+
 
 class HostActor(EngineHost):
     """Owns an engine on one host and serves it. Start it with ``start_host`` (or
-    ``ray.remote(HostActor)``), or build one inside a Serve replica; ``followers`` are the other
-    hosts of a multi-host replica."""
+    ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica, and
+    ``max_requests`` (if set) the requests it holds before ``submit`` answers
+    ``RouterOverloaded``."""
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
-                 num_threads: int | None = None, followers: Sequence = ()) -> None:
-        super().__init__(config, host_index, num_threads)
+                 num_threads: int | None = None, followers: Sequence = (),
+                 max_requests: int | None = None) -> None:
+        super().__init__(config, host_index, num_threads, allocate=not followers)
+        if followers:  # every host has measured its memory; all allocate the smallest figure
+            agree_on_kv_cache(self.engine, followers)
         self._lockstep = Lockstep(followers) if followers else None
         self._inbox: queue.Queue = queue.Queue()
         # Event-loop state only: the engine thread never reads or writes it.
@@ -61,14 +71,26 @@ class HostActor(EngineHost):
         # delta of the old request could reach the new one.
         self._aborting: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's, known at first call
+        self._max_requests = max_requests
+        self._leases: dict[str, float] = {}  # leased channel -> when its subscriber was heard of
+        self._sweeper: asyncio.Task | None = None
+        self._draining = False
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ subscriber API
     async def submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:
-        """Queue requests whose deltas go to ``channel``; returns an error message per spec
-        (None when accepted)."""
+        """Queue requests whose deltas go to ``channel`` (whose lease this renews); returns an
+        error message per spec (None when accepted)."""
+        if self._draining:
+            raise ServerDraining("the server is shutting down")
+        if self._max_requests is not None and len(self._owner) + len(specs) > self._max_requests:
+            raise RouterOverloaded(f"{len(self._owner)} requests in flight")
+        self.keepalive(channel)
+        return self._submit(channel, specs)
+
+    def _submit(self, channel: str, specs: list[GenerateSpec]) -> list[str | None]:
         if self._error is not None:
             raise HostError(self._error)
         self._open(channel)
@@ -86,6 +108,23 @@ class HostActor(EngineHost):
             self._cost[spec.request_id] = len(spec.prompt_token_ids) + spec.params.max_tokens
             self._inbox.put(("add", spec))
         return errors
+
+    def keepalive(self, channel: str) -> None:
+        """Renew the lease of ``channel``'s subscriber."""
+        self._leases[channel] = time.monotonic()
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE_S)
+            cutoff = time.monotonic() - LEASE_S
+            for channel in [c for c, seen in self._leases.items() if seen < cutoff]:
+                del self._leases[channel]
+                aborted = self.close_channel(channel)
+                if aborted:
+                    logger.warning("subscriber %s went silent: aborted its %d requests", channel,
+                                   aborted)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -120,16 +159,29 @@ class HostActor(EngineHost):
         # idles, so a snapshot taken per step would go stale.
         return self.engine.stats()
 
-    def owed_tokens(self) -> dict[str, int]:
-        """Per channel, the tokens its running requests may still take (prompt + max_tokens)."""
+    def load(self) -> dict:
+        """Requests held, and per channel the tokens they may still take (prompt + max_tokens),
+        for routing."""
         owed: dict[str, int] = {}
         for request_id, channel in self._owner.items():
             owed[channel] = owed.get(channel, 0) + self._cost.get(request_id, 0)
-        return owed
+        return {"requests": len(self._owner), "owed_tokens": owed}
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._owner)
+    def health(self) -> None:
+        """Raise ``HostError`` if the engine stopped or is stuck."""
+        if self.failure is not None:
+            raise HostError(self.failure)
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Take no new requests; let running ones finish for up to ``timeout_s``, then end the
+        rest (their channels get a ``SequenceError``); return what happened."""
+        self._draining = True
+        running = len(self._owner)
+        deadline = time.monotonic() + timeout_s
+        while self._owner and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cancelled = self.cancel_all(ServerDraining("the server is shutting down"))
+        return {"in_flight": running, "finished": running - cancelled, "cancelled": cancelled}
 
     @property
     def failure(self) -> str | None:
@@ -141,7 +193,9 @@ class HostActor(EngineHost):
         return self._error
 
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
-        """The stream of token deltas for the requests submitted on ``channel``."""
+        """The stream of token deltas for the requests submitted on ``channel`` (call it with
+        ``.options(num_returns="streaming")``)."""
+        self.keepalive(channel)
         out = self._open(channel)
         try:
             while True:
@@ -166,6 +220,8 @@ class HostActor(EngineHost):
 
     async def stream_spec(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         """``generate_stream`` for a ready-made ``GenerateSpec``."""
+        if self._draining:
+            raise ServerDraining("the server is shutting down")
         if spec.request_id in self._owner or spec.request_id in self._aborting:
             # refused before its channel exists, which would be shared
             raise ValueError(f"request_id {spec.request_id!r} is already in use")
@@ -173,7 +229,7 @@ class HostActor(EngineHost):
         out = self._open(channel)
         finished = False
         try:
-            error = (await self.submit(channel, [spec]))[0]
+            error = self._submit(channel, [spec])[0]
             if error is not None:
                 raise ValueError(error)
             while not finished:

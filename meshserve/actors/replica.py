@@ -33,7 +33,10 @@ class ReplicaGroup:
 
     async def ready(self) -> HostInfo:
         """Wait until every host has loaded; check they agree; return the lead's info."""
-        infos: list[HostInfo] = await asyncio.gather(*(h.info.remote() for h in self.hosts))
+        # The lead first: it answers once every host has allocated the agreed cache.
+        lead = await self.lead.info.remote()
+        infos: list[HostInfo] = [lead, *await asyncio.gather(
+            *(h.info.remote() for h in self.followers))]
         check_agreement(infos)
         self.node_ids = [info.node_id for info in infos]
         self.pids = [info.pid for info in infos]
@@ -45,8 +48,10 @@ class ReplicaGroup:
 
 
 def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
-                  follower_class: type[FollowerHost] = FollowerHost) -> ReplicaGroup:
-    """Start one replica's actors in its slots (lead first); returns before they have loaded.
+                  follower_class: type[FollowerHost] = FollowerHost,
+                  max_requests: int | None = None) -> ReplicaGroup:
+    """Start one replica's actors in its slots (lead first; anything with ``actor_options()``);
+    returns before they have loaded. ``max_requests`` goes to the lead (``HostActor``).
 
     Every host starts at once: on a TPU slice the runtime connects all of a slice's hosts when it
     starts, so none may wait for another. ``follower_class`` lets tests inject a faulty follower.
@@ -54,7 +59,7 @@ def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
     followers = [ray.remote(follower_class).options(**slot.actor_options())
                  .remote(config, host_index=h) for h, slot in enumerate(slots[1:], start=1)]
     lead = ray.remote(HostActor).options(**slots[0].actor_options()).remote(
-        config, host_index=0, followers=followers)
+        config, host_index=0, followers=followers, max_requests=max_requests)
     return ReplicaGroup(lead, followers)
 
 
