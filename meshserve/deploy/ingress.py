@@ -27,6 +27,7 @@ from meshserve.actors.messages import (HostInfo, RequestRejected, RouterOverload
                                        ServerDraining)
 from meshserve.contracts.prompt import PromptError
 from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.structured import StructuredOutputError, StructuredOutputParams
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
 from meshserve.deploy.client import EngineClient
@@ -35,7 +36,9 @@ from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.metrics import ServingMetrics
 from meshserve.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from meshserve.deploy.settings import ServeSettings
-from meshserve.runner.loader import load_tokenizer
+from meshserve.runner.loader import generation_defaults, load_tokenizer
+from meshserve.structured.openai import constraint_from_request
+from meshserve.structured.tools import ToolPlan, plan_tools, template_tool_format
 
 logger = logging.getLogger("meshserve.ingress")
 bind_serve_grpc_to_node_ip()
@@ -107,6 +110,10 @@ class OpenAIIngress:
         self.settings = settings
         self.model_name = settings.model_name()
         self.tokenizer = load_tokenizer(settings.engine.model)
+        # A field a request leaves unset takes the model's default, as the engines' do.
+        self.generation_defaults = (generation_defaults(settings.engine.model)
+                                    if settings.engine.generation_config == "auto" else {})
+        self.tool_format = template_tool_format(self.tokenizer.chat_template)
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
         self._info_task: asyncio.Task | None = None
@@ -173,11 +180,27 @@ class OpenAIIngress:
         except PromptError as exc:
             raise APIError(400, str(exc), exc.param) from None
 
-    def _params(self, body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _params(self, body, max_tokens: int, logprobs: int | None,
+                plan: ToolPlan | None = None) -> SamplingParams:
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            structured = self._constraint(body, plan)
+            return body.sampling_params(max_tokens, logprobs, self.generation_defaults,
+                                        structured)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.param) from None
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ")[0]) from None
+
+    @staticmethod
+    def _constraint(body, plan: ToolPlan | None) -> StructuredOutputParams | None:
+        """The request's structured-output constraint, or the one its forced tool calls need."""
+        asked = constraint_from_request(body.structured_fields())
+        if plan is None or plan.constraint is None:
+            return asked
+        if asked is not None:
+            raise StructuredOutputError("tool_choice", f"{plan.mode} tool calls cannot be "
+                                                       "combined with another output constraint")
+        return plan.constraint
 
     async def _run(self, runner: ChoiceRunner, stream_fn, final_fn, stream: bool):
         try:
@@ -264,10 +287,15 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         body: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
         info = await self._model_info()
-        prompt = responses.chat_prompt(body.messages, self.tokenizer)
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        prompt = responses.chat_prompt(body.messages, self.tokenizer, body.tools)
         max_tokens = self._check_lengths([prompt], body.requested_max_tokens, info)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         runner = ChoiceRunner(self.engine, self.tokenizer, [prompt],
-                              self._params(body, max_tokens, logprobs))
-        view = responses.ChatView(body, self.model_name, runner)
+                              self._params(body, max_tokens, logprobs, plan))
+        view = responses.ChatView(body, self.model_name, runner, plan,
+                                  self.tool_format == "hermes")
         return await self._run(runner, view.chunks, view.final, body.stream)

@@ -7,11 +7,20 @@ Request models reject unknown types and out-of-range values before anything reac
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from meshserve.contracts.sampling import MAX_LOGPROBS, SamplingParams
+from meshserve.contracts.structured import StructuredOutputParams
+
+# Sampling fields a request may leave unset, and the value each then takes when the model ships
+# no default of its own (vLLM's neutral defaults).
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# Structured-output fields, read by meshserve.structured.openai.constraint_from_request.
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs")
 
 MAX_STOP_SEQUENCES = 16
 MAX_N = 16
@@ -27,20 +36,28 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    # None: the model's generation default (or the neutral one), as in vLLM.
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension, used by benchmarks
+    # Structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -56,13 +73,22 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in STRUCTURED_FIELDS}
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: Mapping[str, float | int] | None = None,
+                        structured: StructuredOutputParams | None = None) -> SamplingParams:
+        """The engine's params; a field the request leaves unset takes ``defaults`` (the model's
+        generation defaults), else the neutral value."""
+        unset = {name: (defaults or {}).get(name, neutral) for name, neutral in NEUTRAL.items()
+                 if getattr(self, name) is None}
+        given = {name: getattr(self, name) for name in NEUTRAL if name not in unset}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            seed=self.seed, max_tokens=max_tokens, stop=tuple(self.stop or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
+            stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured, **unset, **given)
 
 
 class CompletionRequest(SamplingFields):
@@ -94,6 +120,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -107,6 +135,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -16,6 +16,8 @@ from typing import Any
 from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.deploy.choices import ChoiceEvent, ChoiceRunner
 from meshserve.deploy.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from meshserve.structured.tools import (ToolCallStream, ToolPlan, call_dicts, forced_calls,
+                                        parse_hermes)
 
 
 def dumps(value: Any) -> str:
@@ -32,9 +34,19 @@ def completion_prompts(prompt, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
-    rendered = [{"role": m.role, "content": m.text()} for m in messages]
-    ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
+def chat_prompt(messages: list[ChatMessage], tokenizer, tools: list | None = None) -> list[int]:
+    rendered = []
+    for m in messages:
+        message = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        rendered.append(message)
+    # A template that defines a tool format renders the tools; others ignore them.
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True,
+                                        **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)
@@ -128,14 +140,43 @@ class CompletionView:
             yield self.envelope.usage_chunk(runner)
 
 
-class ChatView:
-    """``/v1/chat/completions`` in both shapes."""
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
-    def __init__(self, body: ChatCompletionRequest, model: str, runner: ChoiceRunner) -> None:
+
+class ChatView:
+    """``/v1/chat/completions`` in both shapes.
+
+    With ``tools``, ``plan`` says whether calls were forced (``required`` or a named function:
+    the output is the calls) or left to the model (``auto``: read in the chat template's own
+    format when it has one, ``hermes``); a reply with calls finishes with ``tool_calls``.
+    """
+
+    def __init__(self, body: ChatCompletionRequest, model: str, runner: ChoiceRunner,
+                 plan: ToolPlan | None = None, hermes: bool = False) -> None:
         self.body, self.runner = body, runner
+        self.plan, self.hermes = plan, hermes
         self.envelope = _Envelope.new("chatcmpl", "chat.completion", model)
         self.chunk_envelope = _Envelope({**self.envelope.fields,
                                          "object": "chat.completion.chunk"})
+        self._streams: dict[int, ToolCallStream] = {}
+
+    @property
+    def _reads_calls(self) -> bool:
+        forced = self.plan is not None and self.plan.constraint is not None
+        return forced or (self.hermes and self.plan is not None and self.plan.mode == "auto")
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        if not self._reads_calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        if self.plan.constraint is not None:
+            content, calls = None, forced_calls(self.plan, text)
+        else:
+            content, calls = parse_hermes(text)
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = call_dicts(calls, [_call_id() for _ in calls])
+        return message, _with_calls(finish_reason, bool(calls))
 
     def _logprobs(self, tokens, logprobs: list[TokenLogprobs]) -> dict | None:
         if not self.body.logprobs:
@@ -151,9 +192,12 @@ class ChatView:
                             for token, (sampled, top_ids, top_lps) in zip(tokens, logprobs)]}
 
     def final(self, runner: ChoiceRunner) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason} for c in runner.choices]
+        choices = []
+        for c in runner.choices:
+            message, finish_reason = self._message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": finish_reason})
         return {**self.envelope.fields, "choices": choices, "usage": _usage(runner)}
 
     async def chunks(self, runner: ChoiceRunner) -> AsyncIterator[str]:
@@ -167,6 +211,24 @@ class ChatView:
             yield self.chunk_envelope.usage_chunk(runner)
 
     def _event_choice(self, event: ChoiceEvent) -> dict:
-        return {"index": event.index, "delta": {"role": None, "content": event.text or None},
+        delta: dict[str, Any] = {"role": None, "content": event.text or None}
+        finish_reason = event.finish_reason
+        if self._reads_calls:
+            stream = self._streams.get(event.index)
+            if stream is None:
+                stream = self._streams[event.index] = ToolCallStream(self.plan, self.hermes,
+                                                                     _call_id)
+            content, calls = stream.feed(event.text, finish_reason is not None)
+            delta["content"] = content or None
+            if calls:
+                delta["tool_calls"] = calls
+            if finish_reason is not None:
+                finish_reason = _with_calls(finish_reason, bool(stream.calls))
+        return {"index": event.index, "delta": delta,
                 "logprobs": self._logprobs(event.token_ids, event.logprobs),
-                "finish_reason": event.finish_reason}
+                "finish_reason": finish_reason}
+
+
+def _with_calls(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's finish reason for a reply that ended by itself with tool calls in it."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
