@@ -106,6 +106,32 @@ def test_logprobs_equal_transformers_log_softmax(tiny_llama_dir: str, llama_refe
                 assert entries[tid].logprob == pytest.approx(val, abs=1e-4)
 
 
+def test_prompt_logprobs_equal_transformers_log_softmax(tiny_llama_dir: str,
+                                                       llama_reference) -> None:
+    """Every prompt token's logprob (and the top 4 at its position), with prompts prefilled in
+    32-token chunks and sharing a prefix the cache must not serve (their logits are needed)."""
+    prompts, _, model = llama_reference
+    shared = prompts[5][:40]
+    batch = [prompts[0], shared + [11, 12, 13], shared + [21, 22], [7]]
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cpu", num_kv_blocks=256,
+              max_num_batched_tokens=32, enable_prefix_caching=True)
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4))
+    for prompt, out in zip(batch, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for position in range(1, len(prompt)):
+            entries, row = out.prompt_logprobs[position], ref[position - 1]
+            token = prompt[position]
+            assert entries[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            top_vals, top_ids = row.topk(4)
+            for tid, val in zip(top_ids.tolist(), top_vals.tolist()):
+                assert entries[tid].logprob == pytest.approx(val, abs=1e-4)
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    plain = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=2))
+    assert all(o.prompt_logprobs is None for o in plain)
+
+
 def test_bundled_smollm2_matches_transformers(hf_default_model) -> None:
     llm = LLM(None, dtype="float32", device="cpu", num_kv_blocks=256)
     tok = llm.tokenizer

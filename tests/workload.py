@@ -1,8 +1,8 @@
 """A randomized workload for "nothing compiles after warm-up" checks, on either backend.
 
 Mixed prompt lengths (chunked prefill under a small token budget), greedy and sampled requests
-with every filter and penalty, seeded and not, logprobs on and off, arrivals while others run, an
-abort, and few enough KV blocks that some requests are preempted.
+with every filter and penalty, seeded and not, logprobs and prompt logprobs on and off, arrivals
+while others run, an abort, and few enough KV blocks that some requests are preempted.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def random_request(rng: np.random.Generator, index: int) -> tuple:
         repetition_penalty=float(rng.choice([1.0, 1.2])),
         seed=None if rng.random() < 0.5 else index,
         logprobs=[None, None, 0, 3, 20][int(rng.integers(5))],
+        prompt_logprobs=[None, None, None, 2][int(rng.integers(4))],
         max_tokens=int(rng.integers(2, 24)), ignore_eos=True)
     return (f"r{index}", rng.integers(100, 40000, size=length).tolist(), params)
 

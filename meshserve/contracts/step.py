@@ -105,3 +105,6 @@ class RunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    # Requests with prompt_logprobs whose prompt tokens were computed this step: the logprobs
+    # of each next prompt token, in position order (a chunked prefill reports one run per step).
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)

@@ -22,6 +22,9 @@ class TokenDelta:
     finish_reason: str | None  # a FinishReason value on the request's last delta
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs, on the request's first delta: prompt token i's
+    # logprobs given the tokens before it, for i = 1 .. len(prompt) - 1 (the first has none).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

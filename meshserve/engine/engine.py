@@ -162,6 +162,10 @@ class EngineCore:
 
     def apply(self, step: SchedulerOutput, output: RunnerOutput) -> list[TokenDelta]:
         self.structured.accept(output, self.scheduler.requests)  # before update reads the grammars
+        for request_id, run in output.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(run)
         deltas = []
         for request in self.scheduler.update(step, output):
             lp = output.logprobs.get(request.request_id)
@@ -172,9 +176,13 @@ class EngineCore:
     def _delta(self, request: Request, tokens: tuple[int, ...],
                logprobs: tuple[TokenLogprobs, ...] | None) -> TokenDelta:
         reason = request.finish_reason
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and request.prompt_logprobs is not None:
+            prompt_logprobs, request.prompt_logprobs = tuple(request.prompt_logprobs), None
         return TokenDelta(request.request_id, tokens, logprobs,
                           None if reason is None else FinishReason(reason).value,
-                          len(request.prompt_token_ids), request.num_cached_tokens)
+                          len(request.prompt_token_ids), request.num_cached_tokens,
+                          prompt_logprobs)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

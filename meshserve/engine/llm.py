@@ -52,6 +52,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    # With SamplingParams(prompt_logprobs=k): one dict per prompt token (None for the first),
+    # holding the token itself and the k most likely tokens at its position, as in vLLM.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -101,6 +104,10 @@ class LLM:
                 out, sequence = states[delta.request_id]
                 sequence.apply(delta)
                 out.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None and out.prompt_logprobs is None:
+                    out.prompt_logprobs = [None] + [
+                        self._logprob_dict(token, lp) for token, lp in
+                        zip(out.prompt_token_ids[1:], delta.prompt_logprobs)]
                 if sequence.stopped:  # a stop string: the engine is still generating it
                     self.engine.abort(delta.request_id)
                 if sequence.finish_reason is not None:

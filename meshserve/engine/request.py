@@ -35,6 +35,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     grammar: GrammarState | None = None  # structured output: the matcher, on the host only
+    # prompt_logprobs gathered over the prefill's steps until the first token carries them out
+    # (None once delivered: a preempted request's recomputed prompt reports nothing again).
+    prompt_logprobs: list | None = field(default_factory=list)
 
     @property
     def schedulable(self) -> bool:

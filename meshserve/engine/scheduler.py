@@ -102,7 +102,9 @@ class Scheduler:
             request = next((r for r in self.waiting if r.schedulable), None)
             if request is None:
                 break
-            cached = self.block_manager.find_cached_prefix(request)
+            # Prompt logprobs need the logits of every prompt token: nothing from the cache.
+            cached = ([] if request.params.prompt_logprobs is not None
+                      else self.block_manager.find_cached_prefix(request))
             request.num_computed_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             blocks = self.block_manager.allocate(request, num_new, cached)
@@ -136,6 +138,8 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.prompt_logprobs:  # recomputed from the start: gathered again
+            request.prompt_logprobs = []
         self.waiting.appendleft(request)
         self._finished_ids.add(request.request_id)  # the runner drops it until it is resumed
         self.num_preemptions += 1

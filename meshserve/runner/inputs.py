@@ -26,6 +26,17 @@ SamplingArrays = SamplingTensors[np.ndarray]  # the sampler's inputs before the 
 
 
 @dataclass(frozen=True, slots=True)
+class PromptRows:
+    """The prompt positions whose next token's logprobs a request asked for (prompt_logprobs):
+    the hidden state of token ``index[i]`` scores prompt token ``next_ids[i]``; ``owners`` says
+    whose they are, in order, as (request id, how many, top-k wanted)."""
+
+    index: np.ndarray  # [N] int64, padded (padding rows read token 0, then drop)
+    next_ids: np.ndarray  # [N] int64
+    owners: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedStep:
     layout: StepLayout
     active: np.ndarray  # [A] batch rows with tokens this step
@@ -34,6 +45,7 @@ class PreparedStep:
     sampling: SamplingArrays
     num_logprobs: int  # top logprobs gathered per row (0: none)
     token_bucket: int  # tokens the forward runs (the padded count)
+    prompt: PromptRows | None = None  # prompt logprobs to compute this step, if any
 
     @property
     def rows(self) -> int:
@@ -53,6 +65,8 @@ class PreparedStep:
         }
         if s.grammar_bitmask is not None:
             arrays["grammar"] = (s.grammar_bitmask, s.grammar_rows)
+        if self.prompt is not None:
+            arrays["prompt_logprobs"] = (self.prompt.index, self.prompt.next_ids)
         parts = {name: _digest(values) for name, values in arrays.items()}
         parts["program"] = (f"tokens={self.token_bucket} rows={self.rows} "
                             f"ranked={s.use_top_k or s.use_top_p} logprobs={self.num_logprobs} "
@@ -105,7 +119,33 @@ class StepInputs:
             bitmask, constrained = grammar.rows(sampled_ids, rows)
             sampling = replace(sampling, grammar_bitmask=bitmask, grammar_rows=constrained)
         return PreparedStep(layout, active, completes, logits_index, sampling,
-                            self.num_logprobs(active, completes), len(layout.input_ids))
+                            self.num_logprobs(active, completes), len(layout.input_ids),
+                            self.prompt_rows(active, scheduled, layout))
+
+    def prompt_rows(self, active: np.ndarray, scheduled: np.ndarray,
+                    layout: StepLayout) -> PromptRows | None:
+        """This step's positions p of requests with prompt_logprobs whose token p + 1 is still a
+        prompt token; padded to the token bucket (two rows at least on cpu)."""
+        batch = self.batch
+        index, next_ids, owners = [], [], []
+        for row in active:
+            params = batch.params[row]
+            if params.prompt_logprobs is None:
+                continue
+            start = int(batch.num_computed_tokens[row])
+            end = min(start + int(scheduled[row]), int(batch.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            first = int(layout.query_start_loc[row])
+            index.append(np.arange(first, first + end - start))
+            next_ids.append(batch.token_ids[row, start + 1:end + 1].astype(np.int64))
+            owners.append((batch.req_ids[row], end - start, params.prompt_logprobs))
+        if not owners:
+            return None
+        count = sum(n for _, n, _ in owners)
+        padded = len(layout.input_ids) if self.static_shapes else max(count, MIN_SIZE)
+        return PromptRows(_padded(np.concatenate(index), padded, 0),
+                          _padded(np.concatenate(next_ids), padded, 0), tuple(owners))
 
     # ------------------------------------------------------------------ tokens
     def layout(self, scheduled: np.ndarray, padded: int | None = None) -> StepLayout:

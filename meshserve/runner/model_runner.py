@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from meshserve.config import ModelConfig
+from meshserve.contracts.sampling import MAX_LOGPROBS
 from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.runner.attention import AttentionMetadata, KVCache, select_attention
@@ -85,6 +86,7 @@ class ModelRunner:
         self.select = self._piece(select_rows, compile_on_cpu=False)
         self.logits = self._piece(self._compute_logits, compile_on_cpu=True)
         self.sample = self._piece(sample, compile_on_cpu=False)
+        self.prompt_logprobs = self._piece(self._prompt_logprobs, compile_on_cpu=False)
 
     def _piece(self, fn, *, compile_on_cpu: bool) -> CompiledPiece:
         backend = self.backend
@@ -133,13 +135,15 @@ class ModelRunner:
         self._bind([self.attention.bind_cache(cache) for cache in self.kv_caches])
 
     def _bind(self, caches: Sequence[Any]) -> None:
-        """Hand the layers their caches; on xla, where a step returns new cache tensors, the old
-        buffers are donated to the next step's outputs."""
+        """Hand the layers their caches; on xla, where a step returns new cache tensors, a
+        compiled forward gets the old buffers donated to its outputs (the lazily traced path
+        leaves buffers to torch_xla)."""
         self.bound_caches = tuple(caches)
         self.model.bind_kv_caches(self.bound_caches)
         if self.backend.name == "xla":
             self.kv_caches = list(self.bound_caches)
-            self.backend.donate([t for cache in self.kv_caches for t in cache])
+            if not self.enforce_eager:
+                self.backend.donate([t for cache in self.kv_caches for t in cache])
 
     def forward_step(self, key: Hashable, input_ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata, *, warm_up: bool = False) -> torch.Tensor:
@@ -188,11 +192,15 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, p: PreparedStep) -> RunnerOutput:
         """Run a prepared step on the device and collect what it sampled."""
-        out = self.run_pieces(p)
-        return self._collect(out, p.active, p.completes, p.num_logprobs)
+        out, hidden = self.run_pieces(p)
+        output = self._collect(out, p.active, p.completes, p.num_logprobs)
+        if p.prompt is not None:
+            output.prompt_logprobs.update(self._collect_prompt(p, hidden))
+        return output
 
-    def run_pieces(self, p: PreparedStep) -> SamplerOutput:
-        """The four pieces, each dispatched to the program warm-up compiled for its shape."""
+    def run_pieces(self, p: PreparedStep) -> tuple[SamplerOutput, torch.Tensor]:
+        """The four pieces, each dispatched to the program warm-up compiled for its shape;
+        returns what was sampled and the step's hidden states."""
         static = self.backend.static_shapes
         tokens, rows = p.token_bucket, p.rows
         meta = self.attention.metadata(p.layout, self.to_device)
@@ -205,7 +213,30 @@ class ModelRunner:
         s = p.sampling
         key = (rows, s.use_top_k or s.use_top_p, p.num_logprobs,
                s.grammar_bitmask is not None) if static else None
-        return self.sample(key, logits, self.sampling_tensors(s), p.num_logprobs)
+        return self.sample(key, logits, self.sampling_tensors(s), p.num_logprobs), hidden
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, index: torch.Tensor, next_ids: torch.Tensor,
+                         k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probabilities of each next prompt token ``next_ids`` ``[N]`` after the hidden
+        state of token ``index`` ``[N]``, and the top ``k`` there: ([N], [N, k], [N, k])."""
+        logprobs = torch.log_softmax(self._compute_logits(hidden[index]), dim=-1)  # [N, vocab]
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        return logprobs.gather(1, next_ids[:, None]).squeeze(1), top_ids, top_logprobs
+
+    def _collect_prompt(self, p: PreparedStep,
+                        hidden: torch.Tensor) -> dict[str, tuple[TokenLogprobs, ...]]:
+        prompt = p.prompt
+        k = MAX_LOGPROBS if self.backend.static_shapes else max(max(o[2] for o in prompt.owners), 1)
+        key = p.token_bucket if self.backend.static_shapes else None
+        target, top_ids, top_lp = (t.cpu().numpy() for t in self.prompt_logprobs(
+            key, hidden, self.to_device(prompt.index), self.to_device(prompt.next_ids), k))
+        out, at = {}, 0
+        for request_id, count, wanted in prompt.owners:
+            out[request_id] = tuple(
+                (float(target[i]), tuple(top_ids[i, :wanted].tolist()),
+                 tuple(top_lp[i, :wanted].tolist())) for i in range(at, at + count))
+            at += count
+        return out
 
     def _compute_logits(self, selected: torch.Tensor) -> torch.Tensor:
         # Gathered whole: the lm_head leaves logits split by vocabulary, and the sampler's sort

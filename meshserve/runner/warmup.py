@@ -56,6 +56,7 @@ class Runner(Protocol):
     select: CompiledPiece
     logits: CompiledPiece
     sample: CompiledPiece
+    prompt_logprobs: CompiledPiece
 
     def to_device(self, array: np.ndarray, token_major: bool = False) -> torch.Tensor: ...
 
@@ -120,11 +121,15 @@ def _warm_up_static(runner: Runner) -> int:
     rows = sorted({r for _, r in pairs})
     # Rank filters on or off, logprobs on or off, grammar masks on or off.
     samplers = list(itertools.product((False, True), (0, MAX_LOGPROBS), (False, True)))
-    progress = _Progress(len(inputs.token_buckets) + len(pairs) + len(rows) * (1 + len(samplers)))
+    progress = _Progress(2 * len(inputs.token_buckets) + len(pairs)
+                         + len(rows) * (1 + len(samplers)))
     selected = {}
     for t in inputs.token_buckets:
         progress(f"forward, {t} tokens")
         hidden = runner.forward_step(t, *_padding_inputs(runner, t, 0), warm_up=True)
+        progress(f"prompt logprobs, {t} tokens")
+        zeros = runner.to_device(np.zeros(t, dtype=np.int64))
+        runner.prompt_logprobs.warm_up(t, hidden, zeros, zeros, MAX_LOGPROBS)
         for r in (r for tt, r in pairs if tt == t):
             progress(f"last-token selection, {t} tokens x {r} requests")
             selected[r] = runner.select.warm_up((t, r), hidden,
