@@ -1,17 +1,23 @@
-"""Router latency: what the Ray actor hop and the Serve router add to one engine's latency.
+"""Router latency: what meshserve's routing and HTTP edge add to one engine's latency, against what
+a bare Ray Serve SSE deployment of the same engine adds.
 
-The same greedy requests (ignore_eos, one at a time, so nothing queues) go three ways, each on its
+The same greedy requests (ignore_eos, one at a time, so nothing queues) go five ways, each on its
 own engine of the same model and settings, on a local Ray bound to 127.0.0.1:
 
 - ``engine``: an ``EngineCore`` in this process, stepped by hand in a thread as a host actor
   steps its own: the floor.
 - ``host actor``: a ``HostActor`` called through Ray (``generate_stream``): the actor hop.
-- ``router``: the Serve application's ``Router`` deployment handle (``generate_stream``): the
-  Serve hop, the router's pick and its per-sequence stream, then the host actor.
+- ``engine handle``: meshserve's ``Engine`` deployment through an ``EngineClient``, as the HTTP
+  ingress calls it: the handle's ``EngineRouter``, ``submit``, the caller's one output stream.
+- ``meshserve http``: the whole application over HTTP (server-sent events): Serve's proxy, an
+  ingress replica (tokenizer, text, SSE) and an engine replica.
+- ``bare serve sse``: one Serve deployment that owns the same engine in its process and streams
+  server-sent events from it, behind the same proxy: what serving this engine over Ray Serve HTTP
+  costs at the least. meshserve's edge should add no more than it does.
 
-Per request it records the time to the first token (TTFT, from submission) and the time per output
-token after it (TPOT); it reports medians and what each path adds to the engine's. On a machine
-without an accelerator these are CPU figures.
+Per request it records the time to the first token or first text event (TTFT, from submission)
+and the time per output token after it (TPOT); it reports medians and what each path adds to the
+engine's. On a machine without an accelerator these are CPU figures.
 
     .venv/bin/python bench/router_latency.py [--num-requests 16] [--max-tokens 32]
         [--model PATH] [--output bench/results/router_latency.json]
@@ -24,6 +30,8 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
@@ -37,7 +45,7 @@ from typing import Any  # noqa: E402
 from common import REPO_ROOT, bar_chart, machine_info, write_json  # noqa: E402
 from offline import build_prompts  # noqa: E402
 
-PATHS = ("engine", "host actor", "router")
+PATHS = ("engine", "host actor", "engine handle", "meshserve http", "bare serve sse")
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,11 @@ def timed(submit: Callable[[], Iterable[int]]) -> Sample:
         count += n
     assert first is not None and last is not None and count > 1
     return Sample(first - start, (last - first) / (count - 1), count)
+
+
+def measure(submit: Callable[[Any], Iterable[int]], prompts: list) -> list[Sample]:
+    timed(lambda: submit(prompts[0]))  # warm-up: first-call costs are not the steady state
+    return [timed(lambda p=p: submit(p)) for p in prompts]
 
 
 def run_engine(config, prompts: list[list[int]], params) -> list[Sample]:
@@ -102,35 +115,128 @@ def run_host_actor(config, prompts: list[list[int]], params) -> list[Sample]:
         ray.kill(host)
 
 
-def run_router(settings, prompts: list[list[int]], params) -> list[Sample]:
+class _Loop:
+    """An event loop in a thread of its own, to drive async clients from ``measure``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def iterate(self, agen) -> Iterable:
+        while True:
+            try:
+                yield asyncio.run_coroutine_threadsafe(agen.__anext__(), self.loop).result()
+            except StopAsyncIteration:
+                return
+
+
+def run_engine_handle(settings, prompts: list[list[int]], params) -> list[Sample]:
     from ray import serve
 
     from meshserve.actors import GenerateSpec
-    from meshserve.deploy.app import build_app
+    from meshserve.deploy.app import engine_deployment
+    from meshserve.deploy.client import EngineClient
 
-    with socket.socket() as s:  # any free port: HTTP is not measured here
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_app(settings), name="meshserve", route_prefix="/", blocking=False)
-    router = serve.get_deployment_handle("Router", app_name="meshserve")
-    while not router.ready.remote().result():
-        time.sleep(0.5)
+    handle = serve.run(engine_deployment(settings), name="latency-engine", route_prefix=None)
+    loop = _Loop()
+    client = asyncio.run_coroutine_threadsafe(_make_client(EngineClient, handle), loop.loop)
+    client = client.result()
 
     def submit(prompt: list[int]) -> Iterable[int]:
         spec = GenerateSpec(uuid.uuid4().hex, tuple(prompt), params)
-        for batch in router.options(stream=True).generate_stream.remote(spec):
+        for batch in loop.iterate(client.stream(spec)):
             yield sum(len(d.token_ids) for d in batch)
 
     try:
         return measure(submit, prompts)
     finally:
-        serve.shutdown()
+        serve.delete("latency-engine")
 
 
-def measure(submit: Callable[[list[int]], Iterable[int]], prompts: list[list[int]]) -> list[Sample]:
-    timed(lambda: submit(prompts[0]))  # warm-up: first-call costs are not the steady state
-    return [timed(lambda p=p: submit(p)) for p in prompts]
+async def _make_client(cls, handle):
+    await handle.info.remote()  # the handle's router has the replica
+    return cls(handle)
+
+
+def _sse_counts(url: str, body: dict) -> Iterable[int]:
+    """Yield 1 per server-sent event that carries text (one token each, greedy and eos ignored)."""
+    import httpx
+
+    with httpx.stream("POST", url, json=body, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if any(c.get("text") for c in event.get("choices", ())):
+                    yield 1
+
+
+def run_http(settings, texts: list[str], max_tokens: int, port: int) -> list[Sample]:
+    from ray import serve
+
+    from meshserve.deploy.app import build_app
+
+    serve.run(build_app(settings), name="meshserve", route_prefix="/")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def submit(text: str) -> Iterable[int]:
+        return _sse_counts(url, {"model": settings.model_name(), "prompt": text,
+                                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                                 "stream": True})
+
+    try:
+        return measure(submit, texts)
+    finally:
+        serve.delete("meshserve")
+
+
+def run_bare_sse(settings, texts: list[str], max_tokens: int, port: int) -> list[Sample]:
+    """The reference: the engine inside one Serve deployment that answers with SSE itself."""
+    from ray import serve
+
+    deployment = serve.deployment(BareSSE, name="BareSSE",
+                                  ray_actor_options={"num_cpus": settings.placement.host_num_cpus})
+    serve.run(deployment.bind(settings.engine), name="bare", route_prefix="/bare")
+    url = f"http://127.0.0.1:{port}/bare"
+
+    def submit(text: str) -> Iterable[int]:
+        return _sse_counts(url, {"prompt": text, "max_tokens": max_tokens})
+
+    try:
+        return measure(submit, texts)
+    finally:
+        serve.delete("bare")
+
+
+class BareSSE:
+    """What serving one engine over Ray Serve HTTP takes at the least: tokenize, stream deltas from
+    the engine (a ``HostActor`` in this process, as meshserve's engine replicas hold theirs),
+    decode each token, write an SSE event."""
+
+    def __init__(self, config) -> None:
+        from meshserve.actors.host import HostActor
+        from meshserve.runner.loader import load_tokenizer
+
+        self.host = HostActor(config)
+        self.tokenizer = load_tokenizer(config.model)
+
+    async def __call__(self, request):
+        from starlette.responses import StreamingResponse
+
+        from meshserve.contracts.sampling import SamplingParams
+
+        body = await request.json()
+        ids = self.tokenizer.encode(body["prompt"])
+        params = SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True)
+
+        async def events():
+            async for batch in self.host.generate_stream(ids, params):
+                for delta in batch:
+                    text = self.tokenizer.decode(list(delta.token_ids))
+                    yield f"data: {json.dumps({'choices': [{'text': text}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -144,12 +250,13 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    paths, config, machine = report["paths"], report["config"], report["machine"]
-    bar_chart(path, ["time to first token", "time per output token"],
-              {name: [paths[name]["ttft_ms"]["median"], paths[name]["tpot_ms"]["median"]]
-               for name in PATHS},
+    added, config, machine = report["added_over_engine_median"], report["config"], report["machine"]
+    names = [p for p in PATHS if p in added]
+    bar_chart(path, ["added to the first token (ms)", "added per output token (ms, x10)"],
+              {name: [added[name]["ttft_ms"], added[name]["tpot_ms"] * 10] for name in names},
               title=f"{config['model']}: one request at a time, {config['max_tokens']} tokens, "
-                    f"medians\nCPU figures ({machine['cpu_count']} cores, no accelerator)",
+                    f"medians over the engine's own\nCPU figures ({machine['cpu_count']} cores, "
+                    "no accelerator)",
               ylabel="milliseconds")
 
 
@@ -162,29 +269,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import ray
+    from ray import serve
 
     from meshserve import SamplingParams
     from meshserve.deploy.settings import ServeSettings
     from meshserve.runner.loader import load_tokenizer
 
-    # One engine shape for every path: the router's settings build the others' EngineConfig.
+    # One engine shape for every path: the application's settings build the others' EngineConfig.
     settings = ServeSettings.from_args({"model": args.model, "device": "cpu",
                                         "num_kv_blocks": 256, "max_num_seqs": 8})
     config = settings.engine
     tokenizer = load_tokenizer(args.model)
-    prompts = [tokenizer.encode(p) for p in build_prompts(args.num_requests)]
+    texts = build_prompts(args.num_requests)
+    prompts = [tokenizer.encode(p) for p in texts]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
     load_before = os.getloadavg()  # other work on the machine shows up directly in the figures
     results = {"engine": summarize(run_engine(config, prompts, params))}  # before Ray starts
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:
         results["host actor"] = summarize(run_host_actor(config, prompts, params))
-        results["router"] = summarize(run_router(settings, prompts, params))
+        results["engine handle"] = summarize(run_engine_handle(settings, prompts, params))
+        results["meshserve http"] = summarize(run_http(settings, texts, args.max_tokens, port))
+        results["bare serve sse"] = summarize(run_bare_sse(settings, texts, args.max_tokens,
+                                                           port))
     finally:
+        serve.shutdown()
         ray.shutdown()
 
     base = results["engine"]
@@ -203,15 +324,20 @@ def main(argv: list[str] | None = None) -> None:
                             "end": round(os.getloadavg()[0], 2)},
         "paths": results,
         "added_over_engine_median": added,
+        # The edge's target: meshserve over HTTP adds no more than the bare deployment.
+        "meshserve_minus_bare_ms": {
+            k: round(added["meshserve http"][k] - added["bare serve sse"][k], 3)
+            for k in ("ttft_ms", "tpot_ms")},
     }
     write_json(args.output, report)
     chart = args.output.with_suffix(".png")
     plot(report, chart)
-    print(f"{'path':<12} {'TTFT ms':>9} {'TPOT ms':>9} {'+TTFT ms':>9} {'+TPOT ms':>9}")
+    print(f"{'path':<16} {'TTFT ms':>9} {'TPOT ms':>9} {'+TTFT ms':>9} {'+TPOT ms':>9}")
     for path in PATHS:
         r, a = results[path], added.get(path, {"ttft_ms": 0.0, "tpot_ms": 0.0})
-        print(f"{path:<12} {r['ttft_ms']['median']:>9.2f} {r['tpot_ms']['median']:>9.3f} "
+        print(f"{path:<16} {r['ttft_ms']['median']:>9.2f} {r['tpot_ms']['median']:>9.3f} "
               f"{a['ttft_ms']:>9.2f} {a['tpot_ms']:>9.3f}")
+    print(f"meshserve http minus bare serve sse: {report['meshserve_minus_bare_ms']}")
     print(f"CPU figures; wrote {args.output} and {chart}")
 
 

@@ -64,18 +64,21 @@ class Server:
                 self.process.wait()
 
 
-def serve_processes(server_pid: int, deployment: str) -> list[int]:
-    """The PIDs of a deployment's replicas (``Engine``, ``OpenAIIngress``) under the server."""
-    title = f"ServeReplica:meshserve:{deployment}"
-    children = psutil.Process(server_pid).children(recursive=True)
+def processes(server_pid: int, title: str) -> list[int]:
+    """The PIDs under the server whose command line names ``title``: ``ray::HostActor`` (lead
+    hosts), ``ServeReplica:meshserve:OpenAIIngress`` (ingress replicas)..."""
     found = []
-    for child in children:
+    for child in psutil.Process(server_pid).children(recursive=True):
         try:
             if title in " ".join(child.cmdline()):
                 found.append(child.pid)
         except psutil.NoSuchProcess:
             continue
     return sorted(found)
+
+
+HOSTS = "ray::HostActor"
+INGRESS = "ServeReplica:meshserve:OpenAIIngress"
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:

@@ -1,6 +1,7 @@
-"""Host failure: an engine replica's process (its lead host) killed during traffic. Sequences that
-had not started are retried on the other replica, streams already running end with an error event
-(never a hang), Serve replaces the replica, and serving resumes on both."""
+"""Host failure: the lead HostActor of one of two engine replicas killed during traffic. Sequences
+that had not started are retried on the other replica, streams already running end with an error
+event (never a hang), Serve replaces the replica (its placement group and hosts), and serving
+resumes on both."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import serve_processes, start_server
+from tests.server import HOSTS, processes, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def test_killed_host_is_survived_and_replaced(tiny_llama_dir: str, tmp_path) -> 
                            "--max-model-len", "512", "--num-replicas", "2"],
                           tmp_path / "serve.log")
     try:
-        pids = serve_processes(server.process.pid, "Engine")
+        pids = processes(server.process.pid, HOSTS)
         assert len(pids) == 2
         results: dict = {}
         first_wave = [threading.Event() for _ in range(8)]
@@ -86,7 +87,7 @@ def test_killed_host_is_survived_and_replaced(tiny_llama_dir: str, tmp_path) -> 
         while server.metrics()["meshserve_healthy_replicas"] < 2:
             assert time.monotonic() < deadline, "the replica was not restarted"
             time.sleep(0.5)
-        new_pids = serve_processes(server.process.pid, "Engine")
+        new_pids = processes(server.process.pid, HOSTS)
         assert len(new_pids) == 2 and pids[0] not in new_pids
         after: dict = {}
         third = [threading.Thread(target=stream, args=(server.url, f"after {i}", 10, after,

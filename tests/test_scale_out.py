@@ -2,7 +2,7 @@
 
 Every replica of either deployment carries traffic, and killing the process that routes (an ingress
 replica: routing runs in each caller's handle) under streaming load costs only the streams it
-carried: new requests are answered at once, no engine replica is restarted or warms up again, and
+carried: new requests are answered at once, no host actor is restarted or warms up again, and
 the sequences of the dead ingress are aborted on the engines, freeing every KV block.
 """
 
@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server import serve_processes, start_server
+from tests.server import HOSTS, INGRESS, processes, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,8 @@ def _stream(url: str, prompt: str, results: dict, started: threading.Event) -> N
 
 
 def test_killing_an_ingress_replica_under_load_restarts_no_engine(server) -> None:
-    engines = serve_processes(server.process.pid, "Engine")
-    ingresses = serve_processes(server.process.pid, "OpenAIIngress")
+    engines = processes(server.process.pid, HOSTS)
+    ingresses = processes(server.process.pid, INGRESS)
     assert len(engines) == 2 and len(ingresses) == 2
     results: dict = {}
     started = [threading.Event() for _ in range(16)]
@@ -138,9 +138,9 @@ def test_killing_an_ingress_replica_under_load_restarts_no_engine(server) -> Non
     # The streams the dead replica carried were cut; the other replica's finished.
     assert "cut" in outcomes and "done" in outcomes, results
 
-    # No engine replica was touched: same processes, and none warmed up twice (Ray may print a
-    # replica's line late, so lines are told apart by the process that printed them).
-    assert serve_processes(server.process.pid, "Engine") == engines
+    # No host actor was touched: same processes, and none warmed up twice (Ray may print a
+    # host's line late, so lines are told apart by the process that printed them).
+    assert processes(server.process.pid, HOSTS) == engines
     warmed = re.findall(r"pid=(\d+)\)[^\n]*?meshserve: warm-up done", server.log.read_text())
     assert len(warmed) == len(set(warmed)) and set(map(int, warmed)) <= set(engines), warmed
     # The dead replica's sequences were aborted on the engines once its lease ran out.

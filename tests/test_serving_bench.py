@@ -16,7 +16,7 @@ import pytest
 from meshserve.benchmark.cli import add_bench_parser
 from meshserve.benchmark.client import run_benchmark
 from meshserve.benchmark.prompts import load_prompts, synthetic_prompts
-from meshserve.benchmark.report import format_table, write_report
+from meshserve.benchmark.report import format_comparison, format_table, write_report
 from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult, percentiles
 from meshserve.benchmark.stream import SSEDecoder, StreamTimer
 
@@ -246,3 +246,36 @@ def test_unreachable_server_fails_every_request_and_exits_1(tmp_path: Path) -> N
                                  "--num-prompts", "3", "--output", str(output)])
     assert args.func(args) == 1
     assert json.loads(output.read_text(encoding="utf-8"))["results"]["failed"] == 3
+
+
+# --- Two servers back to back (--compare) ---------------------------------------------------
+
+
+def test_a_comparison_report_holds_both_runs_their_ratios_and_one_chart(tmp_path: Path) -> None:
+    ours = _result(stream=True)
+    slower = [RequestResult(ok=True, e2e=2.0 + i, ttft=0.4, output_tokens=11, itl=(0.18,) * 10)
+              for i in range(3)]
+    peer = BenchResult(config=BenchConfig(url="http://peer:9000", model="p", num_prompts=3,
+                                          stream=True), duration=8.0, requests=tuple(slower))
+    json_path, png_path = write_report(ours, tmp_path / "cmp.json", peer)
+    report = json.loads(json_path.read_text(encoding="utf-8"))
+    assert [run["config"]["url"] for run in report["runs"]] == ["http://h:8000", "http://peer:9000"]
+    assert report["runs"][0]["config"]["api_key"] == "<set>"
+    assert report["runs"][1]["results"] == json.loads(json.dumps(peer.summary()))
+    assert report["comparison"]["output_throughput"] == pytest.approx((33 / 4) / (33 / 8), abs=1e-3)
+    assert report["comparison"]["ttft_p50"] == pytest.approx(200 / 400, abs=1e-3)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "2.00x" in format_comparison(ours, peer)
+
+
+def test_compare_runs_both_servers_and_names_the_peers_model(tmp_path: Path) -> None:
+    url, peer = (f"http://127.0.0.1:{_closed_port()}" for _ in range(2))
+    args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m", "--compare", peer])
+    assert args.func(args) == 2  # nothing answers /v1/models there: the peer cannot be named
+    output = tmp_path / "both.json"
+    args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m", "--compare", peer,
+                                 "--compare-model", "p", "--num-prompts", "2",
+                                 "--output", str(output)])
+    assert args.func(args) == 1
+    runs = json.loads(output.read_text(encoding="utf-8"))["runs"]
+    assert [(r["config"]["model"], r["results"]["failed"]) for r in runs] == [("m", 2), ("p", 2)]

@@ -49,16 +49,26 @@ class ReplicaGroup:
 
 def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
                   follower_class: type[FollowerHost] = FollowerHost,
-                  max_requests: int | None = None) -> ReplicaGroup:
+                  max_requests: int | None = None,
+                  env: dict[str, str] | None = None) -> ReplicaGroup:
     """Start one replica's actors in its slots (lead first; anything with ``actor_options()``);
-    returns before they have loaded. ``max_requests`` goes to the lead (``HostActor``).
+    returns before they have loaded. ``max_requests`` goes to the lead (``HostActor``), ``env``
+    into every host's environment.
 
     Every host starts at once: on a TPU slice the runtime connects all of a slice's hosts when it
     starts, so none may wait for another. ``follower_class`` lets tests inject a faulty follower.
     """
-    followers = [ray.remote(follower_class).options(**slot.actor_options())
+    def options(slot) -> dict:
+        opts = slot.actor_options()
+        if env:
+            runtime_env = opts.get("runtime_env", {})
+            opts["runtime_env"] = {**runtime_env,
+                                   "env_vars": {**runtime_env.get("env_vars", {}), **env}}
+        return opts
+
+    followers = [ray.remote(follower_class).options(**options(slot))
                  .remote(config, host_index=h) for h, slot in enumerate(slots[1:], start=1)]
-    lead = ray.remote(HostActor).options(**slots[0].actor_options()).remote(
+    lead = ray.remote(HostActor).options(**options(slots[0])).remote(
         config, host_index=0, followers=followers, max_requests=max_requests)
     return ReplicaGroup(lead, followers)
 

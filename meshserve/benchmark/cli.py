@@ -16,7 +16,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     commands = bench.add_subparsers(dest="bench_command", required=True)
     serve = commands.add_parser(
         "serve", help="latency and throughput of an OpenAI-compatible server",
-        description="Benchmark /v1/completions on any OpenAI-compatible server (meshserve, vLLM).")
+        description="Benchmark /v1/completions on any OpenAI-compatible server (meshserve, vLLM), "
+                    "or two of them back to back on the same prompts (--compare).")
     serve.add_argument("--url", required=True, help="server root, e.g. http://localhost:8000")
     serve.add_argument("--model", required=True, help="model name the server expects")
     serve.add_argument("--num-prompts", type=int, default=100)
@@ -35,15 +36,21 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="seconds for the whole run (default 300)")
     serve.add_argument("--output", default="bench/results/serve.json",
                        help="JSON path; the plot goes beside it with a .png suffix")
+    serve.add_argument("--compare", metavar="URL",
+                       help="a peer server (e.g. vLLM's OpenAI server) to run the same workload "
+                            "on right after, in the same run: one report and one chart for both")
+    serve.add_argument("--compare-model",
+                       help="the model name the peer expects (default: the first it lists)")
     serve.set_defaults(func=_run_serve)
     return serve
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
+    from dataclasses import replace
 
-    from meshserve.benchmark.client import run_benchmark
-    from meshserve.benchmark.report import format_table, write_report
+    from meshserve.benchmark.client import run_benchmark, served_model
+    from meshserve.benchmark.report import format_comparison, format_table, write_report
     from meshserve.benchmark.results import BenchConfig
 
     try:
@@ -52,11 +59,21 @@ def _run_serve(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, stream=args.stream, max_tokens=args.max_tokens,
             seed=args.seed, api_key=args.api_key, timeout=args.timeout, dataset=args.dataset,
             prompt_words=tuple(args.prompt_words))
+        peer_config = None
+        if args.compare:
+            peer_config = replace(config, url=args.compare, model=args.compare_model or "peer")
+            if args.compare_model is None:
+                peer_config = replace(peer_config, model=asyncio.run(served_model(peer_config)))
         result = asyncio.run(run_benchmark(config))
-    except (ValueError, OSError) as error:  # bad flags or an unreadable dataset
+        peer = None if peer_config is None else asyncio.run(run_benchmark(peer_config))
+    except (ValueError, OSError) as error:  # bad flags, an unreadable dataset, no peer model
         print(f"meshserve bench serve: error: {error}", file=sys.stderr)
         return 2
     print(format_table(result))
-    json_path, png_path = write_report(result, args.output)
+    if peer is not None:
+        print(format_table(peer))
+        print(format_comparison(result, peer))
+    json_path, png_path = write_report(result, args.output, peer)
     print(f"wrote {json_path} and {png_path}")
-    return 0 if len(result.completed) == len(result.requests) else 1
+    runs = [result] if peer is None else [result, peer]
+    return 0 if all(len(r.completed) == len(r.requests) for r in runs) else 1

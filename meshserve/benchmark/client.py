@@ -17,6 +17,23 @@ from meshserve.benchmark.prompts import load_prompts
 from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult
 from meshserve.benchmark.stream import StreamTimer
 
+
+async def served_model(config: BenchConfig) -> str:
+    """The first model a server lists at ``/v1/models`` (vLLM serves its model under the path it
+    was given); raises ValueError when it lists none or cannot be reached."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    url = config.completions_url.removesuffix("/completions") + "/models"
+    try:
+        async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+            response = await client.get(url)
+            models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as error:
+        raise ValueError(f"could not list the models of {url}: {error}") from None
+    if not models:
+        raise ValueError(f"{url} lists no model; name one with --compare-model")
+    return models[0]["id"]
+
+
 async def _send(client: httpx.AsyncClient, config: BenchConfig, prompt: str) -> RequestResult:
     body = {"model": config.model, "prompt": prompt, "max_tokens": config.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": config.stream}

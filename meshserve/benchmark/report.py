@@ -1,4 +1,5 @@
-"""A run for people: a table on the terminal, and a JSON report with a latency chart beside it.
+"""A run for people: a table on the terminal, and a JSON report with a latency chart beside it;
+with a peer's run of the same workload, both in one report and one chart, and their ratios.
 
 The machine info in the JSON describes the client, not the server.
 """
@@ -45,46 +46,83 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
-def write_report(result: BenchResult, path: str | Path) -> tuple[Path, Path]:
-    """Write the JSON result and a PNG of the latency distributions beside it (same stem)."""
-    json_path = Path(path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
+def _run_record(result: BenchResult) -> dict[str, Any]:
     config = asdict(result.config)
     config["api_key"] = "<set>" if config["api_key"] else None  # never write a secret to disk
-    report = {
-        "config": config, "results": result.summary(), "machine": machine_info(),
-        "requests": [{**asdict(r), "tpot": r.tpot} for r in result.requests],
-    }
+    return {"config": config, "results": result.summary(),
+            "requests": [{**asdict(r), "tpot": r.tpot} for r in result.requests]}
+
+
+def compare(result: BenchResult, peer: BenchResult) -> dict[str, float | None]:
+    """How ``result`` stands against ``peer``: throughput as a ratio (above 1 is faster), and
+    TTFT / TPOT medians as ratios (below 1 is quicker)."""
+    ours, theirs = result.summary(), peer.summary()
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 3)
+
+    return {"output_throughput": ratio(ours["output_throughput"], theirs["output_throughput"]),
+            "ttft_p50": ratio(ours["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]),
+            "tpot_p50": ratio(ours["tpot_ms"]["p50"], theirs["tpot_ms"]["p50"])}
+
+
+def format_comparison(result: BenchResult, peer: BenchResult) -> str:
+    c = compare(result, peer)
+    cells = {k: "n/a" if v is None else f"{v:.2f}x" for k, v in c.items()}
+    return (f"{result.config.url} against {peer.config.url}: output throughput "
+            f"{cells['output_throughput']}, TTFT p50 {cells['ttft_p50']}, TPOT p50 "
+            f"{cells['tpot_p50']}")
+
+
+def write_report(result: BenchResult, path: str | Path,
+                 peer: BenchResult | None = None) -> tuple[Path, Path]:
+    """Write the JSON result and a PNG of the latency distributions beside it (same stem). With
+    ``peer`` (the same workload on another server, run right after), both runs go in one report
+    and one chart, with the ratios between them."""
+    json_path = Path(path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    if peer is None:
+        report = {**_run_record(result), "machine": machine_info()}
+    else:
+        report = {"runs": [_run_record(result), _run_record(peer)],
+                  "comparison": compare(result, peer), "machine": machine_info()}
     json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     png_path = json_path.with_suffix(".png")
-    _plot(result, png_path)
+    _plot([result] if peer is None else [result, peer], png_path)
     return json_path, png_path
 
 
-def _plot(result: BenchResult, path: Path) -> None:
+def _plot(results: list[BenchResult], path: Path) -> None:
     # Imported here: matplotlib is an optional extra and slow to import. The Agg canvas renders
     # without a display and leaves pyplot's global backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    done = result.completed
-    series = [("TTFT", [r.ttft for r in done]), ("TPOT", [r.tpot for r in done]),
-              ("End to end", [r.e2e for r in done])]
     figure = Figure(figsize=(13, 4), layout="constrained")
     FigureCanvasAgg(figure)
-    for axes, (name, raw) in zip(figure.subplots(1, 3), series):
-        values = np.sort([v * 1000 for v in raw if v is not None])
-        axes.set_title(f"{name} CDF ({len(values)} requests)")
+    metrics = (("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot),
+               ("End to end", lambda r: r.e2e))
+    for axes, (name, value) in zip(figure.subplots(1, 3), metrics):
+        counts = []
+        for result in results:
+            values = np.sort([value(r) * 1000 for r in result.completed if value(r) is not None])
+            counts.append(str(values.size))
+            if values.size:
+                line = axes.step(values, np.arange(1, values.size + 1) / values.size,
+                                 where="post", label=result.config.url)[0]
+                for q in PERCENTILES:
+                    axes.axvline(np.percentile(values, q), linestyle=":", color=line.get_color())
+        measured = any(int(n) for n in counts)
+        if not measured:
+            axes.text(0.5, 0.5, "not measured", ha="center", transform=axes.transAxes)
+        axes.set_title(f"{name} CDF ({' / '.join(counts)} requests)")
         axes.set_xlabel(f"{name} (ms); dotted lines: p50, p90, p99")
         axes.set_ylabel("fraction of requests")
-        if values.size:
-            axes.step(values, np.arange(1, values.size + 1) / values.size, where="post")
-            for q in PERCENTILES:
-                axes.axvline(np.percentile(values, q), linestyle=":", color="grey")
-        else:
-            axes.text(0.5, 0.5, "not measured", ha="center", transform=axes.transAxes)
         axes.grid(alpha=0.3)
-    c = result.config
-    figure.suptitle(f"{c.model} at {c.url}: concurrency {c.concurrency}, "
+        if len(results) > 1 and measured:
+            axes.legend(fontsize=8, loc="lower right")
+    c = results[0].config
+    servers = " vs ".join(f"{r.config.model} at {r.config.url}" for r in results)
+    figure.suptitle(f"{servers}: concurrency {c.concurrency}, "
                     f"{'streaming' if c.stream else 'non-streaming'}, max_tokens {c.max_tokens}")
     figure.savefig(path, dpi=100)

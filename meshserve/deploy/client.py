@@ -1,15 +1,16 @@
 """``EngineClient``: one process's connection to the ``Engine`` deployment.
 
-Every sequence is submitted on its own (so ``EngineRouter`` places each by load and prefix), but
-the tokens of all of them come back over one stream per engine replica in use: each item of that
-stream is everything one or more engine steps produced for this process, which the client fans
-out to its sequences here, in-process. Token traffic is therefore one message per engine step per
-caller process, whatever the number of sequences.
+Every sequence is submitted through the deployment's handle on its own (so ``EngineRouter`` places
+each by load and prefix), but the tokens of all of them come back over one Ray stream per engine
+replica in use, straight from its lead host: each item of that stream is everything one or more
+engine steps produced for this process, which the client fans out to its sequences here,
+in-process. Token traffic is therefore one message per engine step per caller process, whatever
+the number of sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
 the failed replica); one that had started ends with ``ReplicaFailed``. While it has sequences on a
-replica the client renews its lease there every ``KEEPALIVE_S``; if this process dies, the
-replica aborts them once the lease runs out.
+replica the client renews its lease at the lead every ``KEEPALIVE_S``; if this process dies, the
+lead aborts them once the lease runs out.
 
 The HTTP ingress uses one per replica; a Ray program can use one too::
 
@@ -30,10 +31,12 @@ from meshserve.actors.channel import next_batch
 from meshserve.actors.messages import (Completion, GenerateSpec, RequestRejected,
                                        SequenceError)
 from meshserve.contracts.tokens import TokenDelta
-from meshserve.deploy.engine import KEEPALIVE_S
+from meshserve.actors.host import KEEPALIVE_S
 from meshserve.deploy.load import load_book, sequence_cost
 
 logger = logging.getLogger("meshserve.client")
+
+RETRY_BACKOFF_S = 0.2
 
 
 class ReplicaFailed(RuntimeError):
@@ -59,6 +62,7 @@ class EngineClient:
         self.channel = self.book.caller_id
         self._sequences: dict[str, asyncio.Queue] = {}  # request id -> its deltas
         self._replica_of: dict[str, str] = {}  # request id -> engine replica id
+        self._leads: dict[str, object] = {}  # engine replica id -> its lead host's actor handle
         self._pumps: dict[str, asyncio.Task] = {}  # engine replica id -> its stream's reader
         self._keepalive: asyncio.Task | None = None
 
@@ -70,7 +74,7 @@ class EngineClient:
     async def stream(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         """The deltas of one sequence, in batches; the last carries a finish reason. Closing the
         iterator early aborts the sequence on its replica."""
-        attempts = max(2, len(self.replica_ids()))
+        attempts = len(self.replica_ids()) + 1
         for attempt in range(attempts):
             produced = False
             try:
@@ -85,6 +89,8 @@ class EngineClient:
                 if produced or attempt == attempts - 1:
                     raise
                 logger.warning("retrying %s on another replica", spec.request_id)
+                # Give Serve (and this process's pumps) a moment to see the replica gone.
+                await asyncio.sleep(RETRY_BACKOFF_S * (attempt + 1))
 
     async def _run(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         request_id = spec.request_id
@@ -94,7 +100,7 @@ class EngineClient:
         finished = False
         try:
             try:
-                replica_id, error = await self._call("submit", self.channel, spec)
+                replica_id, lead, error = await self._call("submit", self.channel, spec)
             except Exception as exc:
                 if _replica_lost(exc):
                     raise ReplicaFailed(f"an engine replica is unavailable: {exc}") from None
@@ -103,7 +109,7 @@ class EngineClient:
                 raise RequestRejected(error)
             self._replica_of[request_id] = replica_id
             self.book.hold(request_id, replica_id, sequence_cost(spec))
-            self._open(replica_id)
+            self._open(replica_id, lead)
             while not finished:
                 batch = await next_batch(queue)
                 if isinstance(batch[-1], SequenceError):
@@ -115,16 +121,16 @@ class EngineClient:
             self._sequences.pop(request_id, None)
             self._replica_of.pop(request_id, None)
             self.book.release(request_id)
-            if not finished and replica_id is not None and replica_id in self._pumps:
+            if not finished and replica_id in self._pumps:
                 # The caller left, or a stop string ended it here: free its blocks there now.
-                self._call("abort", [request_id], replica_id=replica_id)
+                self._leads[replica_id].abort.remote([request_id])
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort sequences of this client wherever they run."""
         for request_id in request_ids:
             replica_id = self._replica_of.get(request_id)
-            if replica_id is not None:
-                self._call("abort", [request_id], replica_id=replica_id)
+            if replica_id in self._leads:
+                self._leads[replica_id].abort.remote([request_id])
 
     # ------------------------------------------------------------------ replicas
     def replica_ids(self) -> list[str]:
@@ -143,28 +149,29 @@ class EngineClient:
         answers = await asyncio.gather(*(one(r) for r in self.replica_ids()))
         return [a for a in answers if a is not None]
 
-    def _call(self, method: str, *args, stream: bool = False, **kwargs):
+    def _call(self, method: str, *args, **kwargs):
         """``handle.method.remote(...)``, made outside the current Serve request's context.
 
         Inside a replica, calls inherit the request's internal id, so the sequences of one HTTP
         request would all share one; Serve matches a routing decision to its call by that id, and
         siblings sharing it wait forever. A fresh context gives each call its own.
         """
-        handle = self.handle.options(stream=True) if stream else self.handle
-        return contextvars.Context().run(getattr(handle, method).remote, *args, **kwargs)
+        return contextvars.Context().run(getattr(self.handle, method).remote, *args, **kwargs)
 
-    def _open(self, replica_id: str) -> None:
+    def _open(self, replica_id: str, lead) -> None:
         if replica_id not in self._pumps:
+            self._leads[replica_id] = lead
             self._pumps[replica_id] = asyncio.get_running_loop().create_task(
-                self._pump(replica_id))
+                self._pump(replica_id, lead))
         if self._keepalive is None:
             self._keepalive = asyncio.get_running_loop().create_task(self._renew())
 
-    async def _pump(self, replica_id: str) -> None:
-        """Fan this process's stream from one replica out to the sequences."""
+    async def _pump(self, replica_id: str, lead) -> None:
+        """Fan this process's stream from one replica's lead out to the sequences."""
         try:
-            stream = self._call("outputs", self.channel, replica_id=replica_id, stream=True)
-            async for batch in stream:
+            stream = lead.outputs.options(num_returns="streaming").remote(self.channel)
+            async for ref in stream:
+                batch = await ref
                 by_sequence: dict[str, list] = {}
                 for item in batch:
                     by_sequence.setdefault(item.request_id, []).append(item)
@@ -183,13 +190,14 @@ class EngineClient:
                     queue.put_nowait([failure])
         finally:
             self._pumps.pop(replica_id, None)
+            self._leads.pop(replica_id, None)
 
     async def _renew(self) -> None:
         """Keep this process's leases on the replicas it streams from."""
         while True:
             await asyncio.sleep(KEEPALIVE_S)
-            for replica_id in list(self._pumps):
+            for lead in list(self._leads.values()):
                 try:
-                    self._call("keepalive", self.channel, replica_id=replica_id)
+                    lead.keepalive.remote(self.channel)
                 except Exception as exc:  # noqa: BLE001 - the next round tries again
-                    logger.warning("keep-alive to engine replica %s failed: %r", replica_id, exc)
+                    logger.warning("keep-alive to an engine replica failed: %r", exc)

@@ -1,22 +1,17 @@
-"""The ``Engine`` deployment: each Serve replica is one engine replica, its lead host in-process.
+"""The ``Engine`` deployment: each Serve replica is one engine replica and owns its host actors.
 
-A replica owns one placement group (``engine_placement.py``): it runs the lead host's engine in its
-own process (a ``HostActor`` object, stepping in a thread of its own) and starts the followers of a
-multi-host replica in the other bundles. Serve restarts a replica whose process dies or whose
-``check_health`` fails (the engine failed, or the replica fell out of step), placement group and
-all; a replica is never rebuilt for anything that happens to its callers.
+A replica places and supervises; it computes nothing. It starts its lead ``HostActor`` (and, for a
+multi-host replica, a ``FollowerHost`` per other host) in its own placement group
+(``engine_placement.py``), so the hosts share its fate: Serve removes them with the replica, and
+restarts a replica whose hosts died or whose engine stopped (``check_health``), placement group and
+all. Nothing that happens to a caller rebuilds a replica.
 
-Callers (``client.EngineClient``, one per process) speak to it through a handle whose
-``EngineRouter`` picks the replica for each sequence:
-
-- ``submit(channel, spec)`` queues a sequence; its deltas go to the caller's ``channel``.
-- ``outputs(channel)`` is the caller's one stream from this replica: each item is every delta one
-  or more engine steps produced for that caller's sequences.
-- ``keepalive(channel)`` renews the caller's lease. A channel unheard of for ``LEASE_S`` belongs
-  to a caller that died (Serve does not end a stream whose reader is gone): its sequences are
-  aborted and their KV blocks freed.
-- ``abort``, ``stats``, ``info``, ``drain`` and, for Ray programs, ``generate`` /
-  ``generate_stream`` (one sequence, one call).
+Callers (``client.EngineClient``, one per process) place each sequence through a handle whose
+``EngineRouter`` picks the replica: ``submit(channel, spec)`` queues it on the lead and returns the
+lead's handle, and from then on the caller streams its tokens, renews its lease and aborts its
+sequences at the lead directly (``HostActor.outputs`` / ``keepalive`` / ``abort``), so tokens never
+pass through a Serve replica. ``stats``, ``info``, ``drain``, and, for Ray programs, ``generate`` /
+``generate_stream`` (one sequence per call) are here too.
 """
 
 from __future__ import annotations
@@ -24,16 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
 from ray import serve
 
-from meshserve.actors.host import HostActor
-from meshserve.actors.lockstep import FollowerHost, check_agreement
-from meshserve.actors.messages import (Completion, GenerateSpec, HostError, HostInfo,
-                                       RequestRejected, RouterOverloaded, ServerDraining)
+from meshserve.actors.lockstep import check_agreement
+from meshserve.actors.messages import Completion, GenerateSpec, HostInfo, RequestRejected
+from meshserve.actors.replica import start_replica
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.engine_placement import EnginePlacement
 from meshserve.deploy.logs import configure_process_logging
@@ -43,75 +36,56 @@ from meshserve.deploy.settings import ServeSettings
 logger = logging.getLogger("meshserve.engine")
 bind_serve_grpc_to_node_ip()
 
-LEASE_S = 15.0  # a caller silent this long is gone; EngineClient renews every KEEPALIVE_S
-KEEPALIVE_S = 1.0
+HEALTH_TIMEOUT_S = 10.0  # a lead that cannot answer this fast is as good as gone
+WATCH_S = 0.5  # how often the replica makes sure its lead host is alive and its engine running
 
 
 class EngineReplica:
-    """One engine replica: the lead host's engine here, followers in its placement group."""
+    """One engine replica: its host actors, placed in its own placement group."""
 
-    def __init__(self, settings: ServeSettings, placement: EnginePlacement) -> None:
-        import ray
-
+    async def __init__(self, settings: ServeSettings, placement: EnginePlacement) -> None:
         configure_process_logging()
         self.settings = settings
         self.placement = placement
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        os.environ.update(placement.lead_env())  # before the engine starts torch_xla
-        followers = [ray.remote(FollowerHost).options(**slot.actor_options())
-                     .remote(settings.engine, host_index=slot.bundle_index)
-                     for slot in placement.follower_slots()]
-        self.host = HostActor(settings.engine, followers=followers)
-        infos = [self.host.info(), *ray.get([f.info.remote() for f in followers])]
+        self.group = start_replica(placement.host_slots(), settings.engine,
+                                   max_requests=settings.max_queued_requests,
+                                   env=settings.host_env())
+        settings.lower_priority()  # this process only supervises
+        self.lead = self.group.lead
+        # The lead answers once every host has loaded (and agreed on the cache).
+        lead = await self.lead.info.remote()
+        infos = [lead, *await asyncio.gather(*(f.info.remote() for f in self.group.followers))]
         check_agreement(infos)
-        self._info = infos[0]
         self._hosts = infos
-        self._leases: dict[str, float] = {}  # channel -> when its caller was last heard of
-        self._sweeper: asyncio.Task | None = None
-        self._draining = False
+        self._watch = asyncio.get_running_loop().create_task(self._watch_lead())
 
-    # ------------------------------------------------------------------ callers' channels
-    async def submit(self, channel: str, spec: GenerateSpec) -> tuple[str, str | None]:
-        """Queue one sequence for ``channel``; returns (this replica's id, an error message or
-        None). Raises ``RouterOverloaded`` when this replica holds ``max_queued_requests``."""
-        if self._draining:
-            raise ServerDraining("the server is shutting down")
-        if self.host.num_requests >= self.settings.max_queued_requests:
-            raise RouterOverloaded(f"{self.host.num_requests} sequences in flight")
-        self._renew(channel)
-        error = (await self.host.submit(channel, [spec]))[0]
-        return self.replica_id, error
+    async def _watch_lead(self) -> None:
+        """Leave as soon as the lead host died or its engine stopped: Serve then starts a new
+        replica at once (placement group and all), and callers stop choosing this one."""
+        import ray
 
-    async def outputs(self, channel: str, replica_id: str | None = None
-                      ) -> AsyncIterator[list[TokenDelta]]:
-        """The caller's stream of deltas from this replica (``replica_id`` pins the call)."""
-        self._renew(channel)
-        async for batch in self.host.outputs(channel):
-            yield batch
+        from meshserve.actors.messages import HostError
 
-    def keepalive(self, channel: str, replica_id: str | None = None) -> None:
-        self._renew(channel)
-
-    def abort(self, request_ids: list[str], replica_id: str | None = None) -> None:
-        self.host.abort(request_ids)
-
-    def _renew(self, channel: str) -> None:
-        self._leases[channel] = time.monotonic()
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-
-    async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(KEEPALIVE_S)
-            cutoff = time.monotonic() - LEASE_S
-            for channel in [c for c, seen in self._leases.items() if seen < cutoff]:
-                del self._leases[channel]
-                aborted = self.host.close_channel(channel)
-                if aborted:
-                    logger.warning("caller %s went silent: aborted its %d sequences", channel,
-                                   aborted)
+            await asyncio.sleep(WATCH_S)
+            try:
+                await asyncio.wait_for(self.lead.health.remote(), HEALTH_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, HostError) as exc:
+                logger.error("engine replica %s: %s; leaving so that Serve replaces it",
+                             self.replica_id, getattr(exc, "cause", exc))
+                os._exit(1)
+            except asyncio.TimeoutError:  # busy, not gone: Serve's own health check decides
+                continue
 
-    # ------------------------------------------------------------------ Ray programs
+    # ------------------------------------------------------------------ callers
+    async def submit(self, channel: str, spec: GenerateSpec) -> tuple[str, object, str | None]:
+        """Queue one sequence for ``channel`` on the lead; returns (this replica's id, the lead's
+        handle, an error message or None). The lead raises ``RouterOverloaded`` when it holds
+        ``max_queued_requests`` sequences, and ``ServerDraining`` after ``drain``."""
+        error = (await self.lead.submit.remote(channel, [spec]))[0]
+        return self.replica_id, self.lead, error
+
     async def generate(self, spec: GenerateSpec) -> Completion:
         """Generate one sequence to the end."""
         deltas = [d async for batch in self.generate_stream(spec) for d in batch]
@@ -120,43 +94,43 @@ class EngineReplica:
     async def generate_stream(self, spec: GenerateSpec) -> AsyncIterator[list[TokenDelta]]:
         """Stream one sequence's deltas (call with ``handle.options(stream=True)``); an invalid
         prompt raises ``RequestRejected``."""
-        if self._draining:
-            raise ServerDraining("the server is shutting down")
+        import ray
+
+        stream = self.lead.stream_spec.options(num_returns="streaming").remote(spec)
+        finished = False
         try:
-            async for batch in self.host.stream_spec(spec):
-                yield batch
-        except ValueError as exc:
-            raise RequestRejected(str(exc)) from None
+            async for ref in stream:
+                yield await ref
+            finished = True
+        except ValueError as exc:  # the lead refused the prompt
+            finished = True
+            raise RequestRejected(str(getattr(exc, "cause", exc))) from None
+        finally:
+            if not finished:  # closed early: cancelling the lead's generator aborts it there
+                ray.cancel(stream)
 
     # ------------------------------------------------------------------ state
     def info(self, replica_id: str | None = None) -> HostInfo:
-        return self._info
+        return self._hosts[0]
 
-    def stats(self, replica_id: str | None = None) -> dict:
+    async def stats(self, replica_id: str | None = None) -> dict:
         """This replica: its id, placement mode ("cpu" or "tpu"), hosts' nodes and processes,
         engine counters and load."""
+        engine, load = await asyncio.gather(self.lead.stats.remote(), self.lead.load.remote())
         return {"replica_id": self.replica_id, "placement": self.placement.shape.mode,
                 "node_ids": [i.node_id for i in self._hosts],
-                "pids": [i.pid for i in self._hosts], "sequences": self.host.num_requests,
-                "owed_tokens": sum(self.host.owed_tokens().values()),
-                "engine": asdict(self.host.stats())}
+                "pids": [i.pid for i in self._hosts], "sequences": load["requests"],
+                "owed_tokens": sum(load["owed_tokens"].values()), "engine": asdict(engine)}
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """What every caller's ``EngineRouter`` sees of this replica (Serve polls it)."""
-        return {"owed_tokens": self.host.owed_tokens()}
+        return {"owed_tokens": (await self.lead.load.remote())["owed_tokens"]}
 
-    def check_health(self) -> None:
-        failure = self.host.failure
-        if failure is not None:
-            raise HostError(failure)
+    async def check_health(self) -> None:
+        """Fails when a host died, the engine stopped or a lockstep step is stuck."""
+        await asyncio.wait_for(self.lead.health.remote(), HEALTH_TIMEOUT_S)
 
     async def drain(self, timeout_s: float, replica_id: str | None = None) -> dict:
         """Take no new sequences; let running ones finish for up to ``timeout_s``, then end the
         rest (their streams get an error); return what happened."""
-        self._draining = True
-        running = self.host.num_requests
-        deadline = time.monotonic() + timeout_s
-        while self.host.num_requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        cancelled = self.host.cancel_all(ServerDraining("the server is shutting down"))
-        return {"in_flight": running, "finished": running - cancelled, "cancelled": cancelled}
+        return await self.lead.drain.remote(timeout_s)

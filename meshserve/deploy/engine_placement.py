@@ -1,13 +1,15 @@
 """Where Serve puts an engine replica and its hosts: the ``Engine`` deployment's placement options,
-and, inside a replica, where its follower hosts go.
+and, inside a replica, where each of its host actors goes.
 
-Each engine replica is one Serve replica that owns one placement group with one bundle per host,
-as ``meshserve.actors.placement.replica_shape`` describes it (CPU bundles, ``STRICT_SPREAD`` where
-the cluster allows; on TPU whole-host bundles, bundle *h* on TPU worker *h*). Serve reserves the
-group when it starts the replica, places the replica (the lead host) in bundle 0, and removes the
-group, followers and all, when the replica stops or fails its health check. The followers are
-started by the replica itself in bundles 1..H-1 (``follower_slots``). A one-host CPU replica needs
-no group; Serve then keeps replicas on distinct nodes when there are nodes enough.
+An engine replica is a Serve replica (a light process: it places and supervises) that owns its host
+actors: the lead ``HostActor`` and, for a multi-host replica, a ``FollowerHost`` per other host.
+Its placement group has one bundle per host, as ``meshserve.actors.placement.replica_shape``
+describes it (CPU bundles, ``STRICT_SPREAD`` where the cluster allows; on TPU whole-host bundles,
+bundle *h* on TPU worker *h*). Serve reserves the group when it starts the replica, places the
+replica itself (it reserves no CPU) in bundle 0 next to its lead host, and removes the group, hosts
+and all, when the replica stops or fails its health check. A one-host CPU replica needs no group:
+its host goes to the replica's node, and Serve keeps such replicas on distinct nodes when there are
+nodes enough.
 """
 
 from __future__ import annotations
@@ -15,8 +17,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from meshserve.actors.placement import HostSlot, ReplicaShape, alive_nodes, replica_shape
+from meshserve.actors.placement import ReplicaShape, alive_nodes, replica_shape
 from meshserve.config import PlacementConfig
+
+# The replica process computes nothing; on CPU hosts this names torch_xla's default device, so
+# that the hosts do not warn about choosing it.
+CPU_HOST_ENV = {"PJRT_DEVICE": "CPU"}
+
+
+@dataclass(frozen=True)
+class NodeSlot:
+    """Where the one host of a one-host CPU replica goes: next to the replica, if it fits."""
+
+    node_id: str
+    num_cpus: float
+
+    def actor_options(self) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"num_cpus": self.num_cpus, "runtime_env": {"env_vars": CPU_HOST_ENV},
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_id, soft=True)}
 
 
 @dataclass(frozen=True)
@@ -26,42 +46,32 @@ class EnginePlacement:
     shape: ReplicaShape
     num_replicas: int
 
+    @property
+    def grouped(self) -> bool:
+        return self.shape.hosts > 1 or self.shape.tpu is not None
+
     def deployment_options(self) -> dict[str, Any]:
-        """``serve.deployment`` keyword arguments that place one replica (its lead in bundle 0)."""
-        shape = self.shape
-        lead: dict[str, Any] = {"num_cpus": shape.host_num_cpus}
-        chips = {k: v for k, v in shape.bundle_resources.items() if k != "CPU"}
-        if chips:
-            lead["resources"] = chips
-        # What is known before placement (the rest in lead_env). On CPU hosts torch_xla's default
-        # device, named so that it does not warn about choosing it.
-        env = shape.host_env(0, []) if shape.tpu is not None else {"PJRT_DEVICE": "CPU"}
-        if env:
-            lead["runtime_env"] = {"env_vars": env}
-        if shape.hosts == 1 and shape.tpu is None:
-            if shape.spread and self.num_replicas > 1:
-                return {"ray_actor_options": lead, "max_replicas_per_node": 1}
-            return {"ray_actor_options": lead}
-        options = {"ray_actor_options": lead, "placement_group_bundles": shape.bundles,
-                   "placement_group_strategy": shape.strategy}
-        if shape.label_selectors is not None:
-            options["placement_group_bundle_label_selector"] = shape.label_selectors
+        """``serve.deployment`` keyword arguments that place one replica."""
+        replica = {"num_cpus": 0}
+        if not self.grouped:
+            if self.shape.spread and self.num_replicas > 1:
+                return {"ray_actor_options": replica, "max_replicas_per_node": 1}
+            return {"ray_actor_options": replica}
+        options = {"ray_actor_options": replica, "placement_group_bundles": self.shape.bundles,
+                   "placement_group_strategy": self.shape.strategy}
+        if self.shape.label_selectors is not None:
+            options["placement_group_bundle_label_selector"] = self.shape.label_selectors
         return options
 
-    def _slots(self) -> tuple[HostSlot, ...]:
+    def host_slots(self) -> tuple:
+        """Inside a replica: where its hosts go, lead first (each has ``actor_options()``)."""
         import ray
 
+        if not self.grouped:
+            return (NodeSlot(ray.get_runtime_context().get_node_id(), self.shape.host_num_cpus),)
         from meshserve.actors.placement import slots_in
 
         return slots_in(ray.util.get_current_placement_group(), self.shape)
-
-    def follower_slots(self) -> tuple[HostSlot, ...]:
-        """Inside a replica: where hosts 1..H-1 go (bundles of the replica's own group)."""
-        return self._slots()[1:] if self.shape.hosts > 1 else ()
-
-    def lead_env(self) -> dict[str, str]:
-        """Inside a replica: the lead's runtime variables, set before the engine starts."""
-        return self._slots()[0].env_vars if self.shape.hosts > 1 else {}
 
 
 def engine_placement(config: PlacementConfig) -> EnginePlacement:

@@ -104,6 +104,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 class OpenAIIngress:
     def __init__(self, engine, settings: ServeSettings) -> None:
         configure_process_logging()
+        settings.lower_priority()
         self.engine = EngineClient(engine)
         # Which ingress replica answered: operators (and tests) can tell the replicas apart.
         self.headers = {REPLICA_HEADER: serve.get_replica_context().replica_id.unique_id}

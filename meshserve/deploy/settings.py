@@ -16,6 +16,7 @@ from typing import Any
 from meshserve.config import EngineConfig, PlacementConfig, from_flat, setting
 
 DEFAULT_API_KEY_ENV = "MESHSERVE_API_KEY"
+OMP_WAIT_POLICIES = ("passive", "active", "default")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,13 @@ class ServeSettings:
         "sequences in flight on one engine replica before it answers 429", 512)
     ingress_replicas: int = setting(
         "HTTP ingress replicas; each validates, tokenizes and detokenizes its own requests", 1)
+    omp_wait_policy: str = setting(
+        "OpenMP wait policy of the hosts' engine threads: passive (they sleep between parallel "
+        "regions, leaving the core to the edge processes), active (they spin), or default (the "
+        "OpenMP runtime's)", "passive", choices=OMP_WAIT_POLICIES)
+    edge_nice: int = setting(
+        "niceness added to the ingress and engine-replica processes (0-19): where they share "
+        "cores with the engines, the engines win", 10)
     max_body_bytes: int = setting("largest HTTP request body accepted, in bytes", 4 * 2**20)
     api_key: str | None = setting(
         f"require this bearer token on /v1 routes (or set {DEFAULT_API_KEY_ENV})", None)
@@ -40,6 +48,22 @@ class ServeSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ValueError(f"omp_wait_policy: must be one of {', '.join(OMP_WAIT_POLICIES)}, "
+                             f"got {self.omp_wait_policy!r}")
+        if not isinstance(self.edge_nice, int) or not 0 <= self.edge_nice <= 19:
+            raise ValueError(f"edge_nice: must be an integer in [0, 19], got {self.edge_nice!r}")
+
+    def host_env(self) -> dict[str, str]:
+        """Environment every host actor starts with (before its OpenMP runtime does)."""
+        if self.omp_wait_policy == "default":
+            return {}
+        return {"OMP_WAIT_POLICY": self.omp_wait_policy.upper()}
+
+    def lower_priority(self) -> None:
+        """Make this (edge) process yield the CPU to the engines (``edge_nice``)."""
+        if self.edge_nice:
+            os.nice(self.edge_nice)
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any] | None) -> "ServeSettings":
