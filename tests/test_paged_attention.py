@@ -128,3 +128,38 @@ def test_a_freed_cache_is_reported_not_read() -> None:
     del k_cache, v_cache
     with pytest.raises(RuntimeError, match=f"KV cache {cache_id} was freed"):
         ops._cache(cache_id)
+
+
+_BUILD_AND_RUN = """
+import torch
+from meshserve.runner import kernels
+kernels.load()
+print(torch.ops.meshserve_cpu.paged_attention is not None)
+"""
+
+
+def test_a_fresh_machine_builds_the_kernel_once_without_ninja_on_path(tmp_path) -> None:
+    """Two processes start at once on an empty kernel cache with a PATH that has the compiler but
+    no ninja (CI runs ``.venv/bin/python`` without activating the venv): one builds, the other
+    waits for it and loads the result."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("c++", "g++", "gcc", "as", "ld"):
+        found = shutil.which(tool)
+        assert found, f"{tool} is needed to build the kernel"
+        (tools / tool).symlink_to(found)
+    env = dict(os.environ, PATH=str(tools), MESHSERVE_KERNEL_CACHE=str(tmp_path / "kernels"))
+    runs = [subprocess.Popen([sys.executable, "-c", _BUILD_AND_RUN], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [run.communicate(timeout=600) for run in runs]
+    for run, (out, err) in zip(runs, results):
+        assert run.returncode == 0, err[-2000:]
+        assert out.strip() == "True"
+    builds = sum(err.count("building the CPU attention kernel") for _, err in results)
+    assert builds == 1
+    assert not list((tmp_path / "kernels").glob("*/build-*")), "a scratch build folder was left"

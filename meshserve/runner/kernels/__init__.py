@@ -3,8 +3,8 @@
 The sources sit beside this file and are built with torch's ``cpp_extension`` (g++ and ninja) for
 the CPU they run on (``-march=native``), once per source, torch version and CPU: the build lands in
 ``MESHSERVE_KERNEL_CACHE`` (default ``~/.cache/meshserve/kernels``) under a key of all three, so a
-second process, or a restart, loads the library in well under a second. Concurrent first builds
-(several host actors starting at once) wait on cpp_extension's lock in that folder.
+second process, or a restart, loads the library in well under a second without a compiler.
+Concurrent first builds (several host actors starting at once) wait on one builder's flock.
 
 ``load()`` registers the ops under ``torch.ops.meshserve_cpu``; ``ops.py`` wraps them as the
 custom ops the model calls.
@@ -63,24 +63,58 @@ def load() -> None:
     with _lock:
         if _loaded:
             return
-        from torch.utils import cpp_extension
-
-        build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        fresh = not any(build.glob(f"{_LIBRARY}*.so"))
-        if fresh:
-            print("meshserve: building the CPU attention kernel (once per machine, ~30 s)...",
-                  file=sys.stderr, flush=True)
+        library = cache_dir() / f"{_LIBRARY}.so"
         started = time.perf_counter()
-        here = Path(__file__).parent
-        cpp_extension.load(
-            name=_LIBRARY, sources=[str(here / name) for name in _SOURCES],
-            build_directory=str(build), is_python_module=False, verbose=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"])
-        seconds = time.perf_counter() - started
-        if fresh:
-            print(f"meshserve: CPU attention kernel built in {seconds:.0f} s ({build})",
-                  file=sys.stderr, flush=True)
-        logger.info("CPU kernels loaded from %s in %.1fs", build, seconds)
+        if not _build(library):
+            torch.ops.load_library(str(library))
+        logger.info("CPU kernels loaded from %s in %.1fs", library, time.perf_counter() - started)
         _loaded = True
+
+
+def _build(library: Path) -> bool:
+    """Build into a private folder and move the library into place; False if it was already built.
+
+    The build also loads the library (cpp_extension does), so the caller must not load it again.
+    An flock (released by the kernel if the process dies) serialises builders across processes, so
+    several host actors starting at once build once; a builder killed half-way leaves only its
+    private folder behind, never a lock that would make the next process wait for ever.
+    """
+    import fcntl
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    if library.exists():
+        return False
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # another process built it while this one waited
+            return False
+        print("meshserve: building the CPU attention kernel (once per machine, ~30-60 s)...",
+              file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        _put_ninja_on_path()
+        here = Path(__file__).parent
+        with tempfile.TemporaryDirectory(dir=library.parent, prefix="build-") as scratch:
+            cpp_extension.load(
+                name=_LIBRARY, sources=[str(here / name) for name in _SOURCES],
+                build_directory=scratch, is_python_module=False, verbose=False,
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"])
+            os.replace(Path(scratch) / f"{_LIBRARY}.so", library)
+        print(f"meshserve: CPU attention kernel built in {time.perf_counter() - started:.0f} s "
+              f"({library})", file=sys.stderr, flush=True)
+    return True
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package's binary is there only when the
+    venv is activated, and ``make`` calls ``.venv/bin/python`` without activating it."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja on PATH still works; cpp_extension says if it is missing
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
