@@ -148,3 +148,50 @@ def test_unset_sampling_fields_take_the_models_defaults() -> None:
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.3, 0.5, 20, 0.0)
     neutral = body.sampling_params(16, None, {})
     assert (neutral.temperature, neutral.top_p, neutral.top_k) == (1.0, 0.5, 0)
+
+
+# --- prompt logprobs ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: str):
+    """The offline engine on the same weights and dtype as the server: its prompt logprobs are
+    checked against transformers' log-softmax (tests/test_engine_correctness.py)."""
+    from meshserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=128, max_model_len=512)
+    return llm.generate(["The quick brown fox jumps over"],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))[0]
+
+
+def test_echo_with_logprobs_returns_the_prompt_tokens_logprobs(client, reference) -> None:
+    ids, expected = reference.prompt_token_ids, reference.prompt_logprobs
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=reference.prompt, max_tokens=2,
+                                        temperature=0, echo=True, logprobs=3, stream=stream)
+        chunks = list(got) if stream else [got]
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        token_logprobs = [v for lp in logprobs for v in lp.token_logprobs]
+        offsets = [v for lp in logprobs for v in lp.text_offset]
+        assert len(token_logprobs) == len(ids) + 2 and token_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert abs(token_logprobs[i] - expected[i][ids[i]].logprob) < 1e-5
+        assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_vllm_prompt_logprobs_in_completions_and_chat(tiny_server, reference) -> None:
+    import httpx
+
+    ids, expected = reference.prompt_token_ids, reference.prompt_logprobs
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    got = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60).json()
+    prompt_logprobs = got["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry = prompt_logprobs[i][str(ids[i])]
+        assert abs(entry["logprob"] - expected[i][ids[i]].logprob) < 1e-5
+        assert entry["rank"] == min(expected[i][ids[i]].rank, 3)  # past the top 2: "3"
+        assert 2 <= len(prompt_logprobs[i]) <= 3  # the top 2 and the prompt's own token
+    chat = httpx.post(f"{tiny_server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])

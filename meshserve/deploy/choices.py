@@ -30,6 +30,9 @@ class ChoiceState(SequenceText):
     index: int
     prompt_token_ids: list[int]
     first_token_at: float | None = None
+    # With prompt_logprobs: prompt tokens 1.. (token i given the tokens before it), from the
+    # first delta.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,8 @@ class ChoiceRunner:
     def _apply(choice: ChoiceState, delta: TokenDelta) -> ChoiceEvent:
         if choice.first_token_at is None:
             choice.first_token_at = time.monotonic()
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         text = choice.apply(delta)
         return ChoiceEvent(choice.index, text, delta.token_ids, delta.logprobs or (),
                            choice.finish_reason)

@@ -58,6 +58,8 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extra: the logprobs of each prompt token (and the top k at its position).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -72,6 +74,9 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def structured_fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in STRUCTURED_FIELDS}
@@ -88,7 +93,8 @@ class SamplingFields(BaseModel):
             n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
             stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            structured_outputs=structured, **unset, **given)
+            prompt_logprobs=self.wanted_prompt_logprobs(), structured_outputs=structured,
+            **unset, **given)
 
 
 class CompletionRequest(SamplingFields):
@@ -96,6 +102,13 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI caps completions logprobs at 5
     echo: bool = False
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        # Echo with logprobs returns the prompt's tokens with theirs, as OpenAI's API does.
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        if self.prompt_logprobs is None or echoed is None:
+            return self.prompt_logprobs if echoed is None else echoed
+        return max(self.prompt_logprobs, echoed)
 
     @field_validator("prompt")
     @classmethod

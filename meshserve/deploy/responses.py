@@ -104,6 +104,22 @@ class CompletionView:
             offset += len(text)
         return out
 
+    def _prompt_logprobs(self, index: int) -> dict | None:
+        """Echo with logprobs: the prompt's own tokens in the same shape, the first without a
+        logprob (nothing comes before it), as OpenAI's API returns them."""
+        choice = self.runner.choices[index]
+        if not self.body.echo or self.body.logprobs is None or choice.prompt_logprobs is None:
+            return None
+        prompt, decode = choice.prompt_token_ids, self.runner.decode_token
+        first = decode(prompt[0])
+        k = self.body.logprobs
+        rest = [(sampled, top_ids[:k], top_lps[:k])
+                for sampled, top_ids, top_lps in choice.prompt_logprobs]
+        out = self._logprobs(prompt[1:], rest, len(first))
+        return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+                "top_logprobs": [None] + out["top_logprobs"],
+                "text_offset": [0] + out["text_offset"]}
+
     def _echo(self, index: int) -> str:
         if not self.body.echo:
             return ""
@@ -113,9 +129,14 @@ class CompletionView:
         choices = []
         for c in runner.choices:
             prefix = self._echo(c.index)
-            choices.append({"index": c.index, "text": prefix + c.text,
-                            "logprobs": self._logprobs(c.token_ids, c.logprobs, len(prefix)),
-                            "finish_reason": c.finish_reason})
+            logprobs = _joined(self._prompt_logprobs(c.index),
+                               self._logprobs(c.token_ids, c.logprobs, len(prefix)))
+            choice = {"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason}
+            if self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(runner, c,
+                                                                 self.body.prompt_logprobs)
+            choices.append(choice)
         return {**self.envelope.fields, "choices": choices, "usage": _usage(runner)}
 
     async def chunks(self, runner: ChoiceRunner) -> AsyncIterator[str]:
@@ -128,10 +149,14 @@ class CompletionView:
                 yield chunk({"index": c.index, "text": prefix, "logprobs": None,
                              "finish_reason": None})
         want_logprobs = self.body.logprobs is not None
+        prompt_sent: set[int] = set()
         async for event in runner.events():
             logprobs = None
             if want_logprobs:
                 logprobs = self._logprobs(event.token_ids, event.logprobs, offsets[event.index])
+                if event.index not in prompt_sent:  # the echoed prompt's, ahead of the first
+                    prompt_sent.add(event.index)
+                    logprobs = _joined(self._prompt_logprobs(event.index), logprobs)
             offsets[event.index] += len(event.text)
             if event.text or event.finish_reason or logprobs:
                 yield chunk({"index": event.index, "text": event.text, "logprobs": logprobs,
@@ -198,7 +223,11 @@ class ChatView:
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish_reason})
-        return {**self.envelope.fields, "choices": choices, "usage": _usage(runner)}
+        response = {**self.envelope.fields, "choices": choices, "usage": _usage(runner)}
+        if self.body.prompt_logprobs is not None:  # vLLM puts the chat prompt's at the top
+            response["prompt_logprobs"] = vllm_prompt_logprobs(runner, runner.choices[0],
+                                                               self.body.prompt_logprobs)
+        return response
 
     async def chunks(self, runner: ChoiceRunner) -> AsyncIterator[str]:
         chunk = self.chunk_envelope.chunk
@@ -227,6 +256,32 @@ class ChatView:
         return {"index": event.index, "delta": delta,
                 "logprobs": self._logprobs(event.token_ids, event.logprobs),
                 "finish_reason": finish_reason}
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two runs of completions logprobs as one (the echoed prompt's, then the generated)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(runner: ChoiceRunner, choice, k: int) -> list | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each token a map
+    from token id (as text) to its logprob, rank and text: the prompt's own token and the top k
+    at its position."""
+    if choice.prompt_logprobs is None:
+        return None
+    decode = runner.decode_token
+    out: list = [None]
+    for token, (lp, top_ids, top_lps) in zip(choice.prompt_token_ids[1:],
+                                             choice.prompt_logprobs):
+        entries = {str(t): {"logprob": v, "rank": rank, "decoded_token": decode(t)}
+                   for rank, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1)}
+        if str(token) not in entries:
+            entries[str(token)] = {"logprob": lp, "rank": 1 + sum(v > lp for v in top_lps[:k]),
+                                   "decoded_token": decode(token)}
+        out.append(entries)
+    return out
 
 
 def _with_calls(finish_reason: str | None, has_calls: bool) -> str | None:
