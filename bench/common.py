@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,20 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float | None
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def time_model_pieces(runner: Any) -> list[float]:
+    """Record, per step, the seconds ``runner`` spends in its model pieces (forward, logits,
+    sampling, up to the tokens on the host); the rest of a step is host work."""
+    pieces = runner.run_pieces
+    seconds: list[float] = []
+
+    def timed(prepared):
+        start = time.perf_counter()
+        out, hidden = pieces(prepared)
+        out.token_ids.cpu()
+        seconds.append(time.perf_counter() - start)
+        return out, hidden
+
+    runner.run_pieces = timed
+    return seconds

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, bar_chart, machine_info, memory_mib, write_json
+from common import REPO_ROOT, bar_chart, machine_info, memory_mib, time_model_pieces, write_json
 
 ENGINES = ("meshserve", "transformers", "vllm")
 
@@ -82,7 +82,7 @@ def run_meshserve(dtype: str, device: str, prompts: list[str], max_tokens: int) 
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     memory["after_warmup"] = memory_mib()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    steps = _time_pieces(llm.engine)
+    steps = time_model_pieces(llm.engine.runner)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -93,23 +93,6 @@ def run_meshserve(dtype: str, device: str, prompts: list[str], max_tokens: int) 
         "prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
         "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
     }
-
-
-def _time_pieces(engine) -> list[float]:
-    """Record, per step, the seconds the runner spends in its model pieces (forward, logits,
-    sampling, up to the tokens on the host); the rest of a step is host work."""
-    runner, pieces = engine.runner, engine.runner.run_pieces
-    seconds: list[float] = []
-
-    def timed(prepared):
-        start = time.perf_counter()
-        out, hidden = pieces(prepared)
-        out.token_ids.cpu()
-        seconds.append(time.perf_counter() - start)
-        return out, hidden
-
-    runner.run_pieces = timed
-    return seconds
 
 
 def run_transformers(dtype: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, bar_chart, machine_info, write_json
+from common import REPO_ROOT, bar_chart, machine_info, time_model_pieces, write_json
 
 VARIANTS = {  # name: (device, enforce_eager)
     "cpu eager": ("cpu", True),
@@ -72,16 +72,7 @@ def time_decode_steps(model: str | None, device: str, eager: bool, steps: int) -
     while any(r.num_computed_tokens < len(r.prompt_token_ids)
               for r in engine.scheduler.requests.values()):
         engine.step()  # prefill
-    pieces, run_pieces = [], runner.run_pieces
-
-    def timed(prepared):
-        start = time.perf_counter()
-        out, hidden = run_pieces(prepared)
-        out.token_ids.cpu()
-        pieces.append(time.perf_counter() - start)
-        return out, hidden
-
-    runner.run_pieces = timed
+    pieces = time_model_pieces(runner)
     totals = []
     for _ in range(steps):
         start = time.perf_counter()

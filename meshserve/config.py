@@ -182,8 +182,8 @@ class EngineConfig:
     dtype: str = setting("weights and activations; auto: what the device computes natively "
                          "(bfloat16 on a TPU or a CPU with AVX512-BF16/AMX, else float32)", "auto",
                          choices=SUPPORTED_DTYPES)
-    device: str = setting("cpu: eager torch; xla: torch_xla (a TPU, else PJRT CPU); auto: xla "
-                          "on a TPU host", "auto", choices=SUPPORTED_DEVICES)
+    device: str = setting("cpu: torch, the step compiled by inductor; xla: torch_xla (a TPU, else "
+                          "PJRT CPU); auto: xla on a TPU host", "auto", choices=SUPPORTED_DEVICES)
     seed: int = setting("seed of unseeded sampling (equal on every host of a replica)", 0)
     cache: CacheConfig = setting("the paged KV cache", default_factory=CacheConfig)
     scheduler: SchedulerConfig = setting("batching limits", default_factory=SchedulerConfig)
