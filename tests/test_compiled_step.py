@@ -38,6 +38,21 @@ def test_compiled_and_eager_agree_token_for_token(compiled_and_eager) -> None:
     assert eager.engine.runner.warm_up_report.programs == 0
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 2])
+def test_a_batch_of_one_or_two_sequences_warms_up_and_agrees(tiny_llama_dir: str,
+                                                               max_num_seqs: int) -> None:
+    settings = {**ENGINE, "max_num_seqs": max_num_seqs}
+    compiled = LLM(tiny_llama_dir, num_kv_blocks=64, **settings)
+    eager = LLM(tiny_llama_dir, num_kv_blocks=64, enforce_eager=True, **settings)
+    prompts = mixed_prompts(3, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    before = compile_counters()
+    ours = compiled.generate(prompts, params)
+    assert compile_counters() == before
+    assert ([o.outputs[0].token_ids for o in ours]
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, params)])
+
+
 def test_random_workload_after_warm_up_compiles_nothing(tiny_llama_dir: str) -> None:
     # Few KV blocks (preemption) and a 64-token budget (chunked prefill).
     llm = LLM(tiny_llama_dir, num_kv_blocks=40, **ENGINE)

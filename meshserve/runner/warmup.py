@@ -52,6 +52,7 @@ class Runner(Protocol):
     inputs: StepInputs
     enforce_eager: bool
     max_num_batched_tokens: int
+    max_num_seqs: int
     forward: CompiledPiece
     select: CompiledPiece
     logits: CompiledPiece
@@ -106,6 +107,9 @@ def _padding_inputs(runner: Runner, tokens: int, seqs: int):
 def _warm_up_dynamic(runner: Runner) -> int:
     progress = _Progress(2 * len(_DYNAMIC_SIZES))
     for tokens, seqs, rows in _DYNAMIC_SIZES:
+        # The persistent batch has max_num_seqs rows. Below 3 every step's sequences are padded
+        # to the same MIN_SIZE anyway, so a program specialised on it is the general one.
+        seqs = min(seqs, runner.max_num_seqs)
         progress(f"forward, {tokens} tokens over {seqs} sequences")
         hidden = runner.forward_step(None, *_padding_inputs(runner, tokens, seqs), warm_up=True)
         progress(f"logits, {rows} rows")
