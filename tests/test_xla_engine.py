@@ -48,8 +48,10 @@ def _child_greedy(job: dict) -> dict:
     spec = torch_xla._XLAC._get_xla_sharding_spec
     warm = runner.backend.num_compiled_graphs()
     outs = llm.generate(job["prompts"], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    sampled = sampled_summary(llm.generate(job["prompts"], SamplingParams(**SAMPLED)))
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
+        "sampled": sampled,
         "weights": {name: spec(p) for name, p in runner.model.named_parameters()},
         "kv_cache": [spec(t) for layer in runner.kv_caches for t in layer],
         "kv_shape": list(runner.kv_caches[0][0].shape),
@@ -116,6 +118,35 @@ def run_child(devices: int, jobs: list[dict]) -> dict:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["fallback_ops"] == []  # every op lowered to XLA: no hidden CPU round trips
     return report
+
+
+# Seeded sampling with both rank filters, logprobs and prompt logprobs: every sampler variant
+# and the prompt-logprobs piece, each compiled apart at warm-up, must match the cpu backend.
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, seed=3, max_tokens=6, logprobs=2,
+               prompt_logprobs=2)
+
+
+def sampled_summary(outs) -> dict:
+    """Sampled tokens, their logprobs, and each prompt token's logprob (None for the first)."""
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                          o.outputs[0].token_ids)] for o in outs],
+            "prompt": [[None if e is None else e[t].logprob
+                        for e, t in zip(o.prompt_logprobs, o.prompt_token_ids)] for o in outs]}
+
+
+def assert_sampled_like_cpu(result: dict, model: str) -> None:
+    from meshserve import LLM, SamplingParams
+
+    llm = LLM(model, device="cpu", **ENGINE)
+    expected = sampled_summary(llm.generate(prompts(), SamplingParams(**SAMPLED)))
+    assert result["sampled"]["tokens"] == expected["tokens"]
+    for key in ("logprobs", "prompt"):
+        got = [v for row in result["sampled"][key] for v in row]
+        want = [v for row in expected[key] for v in row]
+        assert [v is None for v in got] == [v is None for v in want]
+        assert np.allclose([v for v in got if v is not None], [v for v in want if v is not None],
+                           atol=1e-4), key
 
 
 def cpu_tokens(model: str, batch: list[list[int]]) -> list[list[int]]:
@@ -225,6 +256,7 @@ def test_single_device_llama_and_mistral_equal_cpu(tiny_llama_dir: str, tiny_mis
 def test_tensor_parallel_2_with_qkv_biases(tiny_qwen2_dir: str) -> None:
     result = run_child(2, [greedy_job(tiny_qwen2_dir, tp=2)])["results"][0]
     assert result["tokens"] == cpu_tokens(tiny_qwen2_dir, prompts())
+    assert_sampled_like_cpu(result, tiny_qwen2_dir)
     assert_partitioned(result, tp=2, dp=1, kv_heads=2)
     assert any(name.endswith("q_proj.bias") for name in result["weights"])
 
@@ -241,9 +273,10 @@ def test_tensor_parallel_8_with_two_kv_heads(wide_llama_dir: str, eight_devices:
     assert_partitioned(result, tp=8, dp=1, kv_heads=2)
 
 
-def test_data_and_model_axes(eight_devices: dict, llama_reference) -> None:
+def test_data_and_model_axes(eight_devices: dict, llama_reference, tiny_llama_dir: str) -> None:
     result = eight_devices["results"][1]
     assert result["tokens"] == llama_reference
+    assert_sampled_like_cpu(result, tiny_llama_dir)
     assert_partitioned(result, tp=4, dp=2, kv_heads=2)
 
 

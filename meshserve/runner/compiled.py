@@ -61,6 +61,12 @@ class CompiledPiece:
         """Compile for ``key`` by calling with ``args``; returns the result of that call."""
         if self.eager:
             return self._eager(args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len({id(t) for t in tensors}) < len(tensors):
+            # dynamo would compile a program that reads one input for both; called directly,
+            # with no guard to notice, it would then ignore the second tensor of every step.
+            raise ValueError(f"{self._function.__qualname__}: warm-up passed one tensor as two "
+                             "arguments")
         if self.dynamic and self._programs:
             # One program serves every size: prove it on these sizes before trusting it.
             (program,) = self._programs.values()
@@ -106,7 +112,6 @@ class CompiledPiece:
             return self._eager(args)
         program = self._programs[key]
         return program(*args) if self._self is None else program(self._self, *args)
-
 
     def _eager(self, args: tuple[Any, ...]) -> Any:
         out = self.fn(*args)

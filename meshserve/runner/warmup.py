@@ -127,21 +127,27 @@ def _warm_up_static(runner: Runner) -> int:
     samplers = list(itertools.product((False, True), (0, MAX_LOGPROBS), (False, True)))
     progress = _Progress(2 * len(inputs.token_buckets) + len(pairs)
                          + len(rows) * (1 + len(samplers)))
+    # Every compile gets inputs that no earlier compile has taken: on a mesh, torch_xla 2.9's
+    # dynamo bridge builds a wrong program (garbage out, on every later call) from a tensor
+    # that another compile already took. So each consumer of the forward's hidden states or of
+    # the logits gets them fresh from the program compiled just before (a rerun is cheap).
     selected = {}
     for t in inputs.token_buckets:
         progress(f"forward, {t} tokens")
-        hidden = runner.forward_step(t, *_padding_inputs(runner, t, 0), warm_up=True)
-        progress(f"prompt logprobs, {t} tokens")
-        zeros = runner.to_device(np.zeros(t, dtype=np.int64))
-        runner.prompt_logprobs.warm_up(t, hidden, zeros, zeros, MAX_LOGPROBS)
+        padding = _padding_inputs(runner, t, 0)
+        runner.forward_step(t, *padding, warm_up=True)
         for r in (r for tt, r in pairs if tt == t):
             progress(f"last-token selection, {t} tokens x {r} requests")
-            selected[r] = runner.select.warm_up((t, r), hidden,
+            selected[r] = runner.select.warm_up((t, r), runner.forward_step(t, *padding),
                                                 runner.to_device(np.zeros(r, dtype=np.int64)))
+        progress(f"prompt logprobs, {t} tokens")
+        index, next_ids = (runner.to_device(np.zeros(t, dtype=np.int64)) for _ in range(2))
+        runner.prompt_logprobs.warm_up(t, runner.forward_step(t, *padding), index, next_ids,
+                                       MAX_LOGPROBS)
     nothing = np.zeros(0, dtype=np.int64)
     for r in rows:
         progress(f"logits, {r} requests")
-        logits = runner.logits.warm_up(r, selected[r])
+        runner.logits.warm_up(r, selected[r])
         arrays = inputs.sampling(nothing, nothing.astype(bool), r)
         free = GrammarBitmask((), np.zeros((0, bitmask_words(inputs.vocab_size)), np.int32))
         bitmask, constrained = free.rows([], r)  # every row free: padding
@@ -151,6 +157,6 @@ def _warm_up_static(runner: Runner) -> int:
             variant = replace(arrays, use_top_k=ranked, use_top_p=ranked)
             if masked:
                 variant = replace(variant, grammar_bitmask=bitmask, grammar_rows=constrained)
-            runner.sample.warm_up((r, ranked, k, masked), logits,
+            runner.sample.warm_up((r, ranked, k, masked), runner.logits(r, selected[r]),
                                   runner.sampling_tensors(variant), k)
     return progress.total  # one program (or lazily traced graph) per call
