@@ -33,6 +33,7 @@ from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
 from meshserve.deploy.client import EngineClient
 from meshserve.deploy.settings import ServeSettings
+from tests.local_cluster import tpu_nodes
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
 slow = pytest.mark.slow
@@ -341,35 +342,22 @@ def test_a_follower_out_of_step_fails_every_stream_of_the_replica(cluster, refer
 @pytest.fixture(scope="module")
 def tpu_replica(cluster, tiny_llama_dir):
     """Two nodes that Ray takes for the hosts of a v4-16 slice, and one replica placed on it."""
-    nodes = []
-    for worker in range(2):
-        env = {**TPU_SLICE, "TPU_WORKER_ID": str(worker)}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # Ray's TPU detection reads the process environment too
-        try:
-            nodes.append(cluster.add_node(num_cpus=1, resources={"TPU": 4},
-                                          node_ip_address="127.0.0.1", env_vars=env))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
-    cluster.wait_for_nodes()
-    settings = _settings(tiny_llama_dir, hosts_per_replica=2, num_replicas=1)
-    placement, (group,) = start_replicas(settings.engine, settings.placement)
-    yield placement, group
-    group.kill()
-    placement.release()
-    for node in nodes:
-        cluster.remove_node(node)
+    envs = [{**TPU_SLICE, "TPU_WORKER_ID": str(worker)} for worker in range(2)]
+    with tpu_nodes(cluster, envs):
+        settings = _settings(tiny_llama_dir, hosts_per_replica=2, num_replicas=1)
+        placement, (group,) = start_replicas(settings.engine, settings.placement)
+        yield placement, group
+        group.kill()
+        placement.release()
 
 
 @slow
 def test_a_tpu_slice_replica_is_placed_by_rays_slice_placement_group(tpu_replica):
     placement, group = tpu_replica
     assert placement.mode == "tpu"
-    infos = ray.get([h.info.remote() for h in group.hosts], timeout=120)
+    # The lead answers once every host has allocated the agreed cache (ReplicaGroup.ready).
+    lead = ray.get(group.lead.info.remote(), timeout=120)
+    infos = [lead, *ray.get([h.info.remote() for h in group.followers], timeout=120)]
     nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
     lead_node, follower_node = (nodes[info.node_id] for info in infos)
     assert lead_node["NodeID"] != follower_node["NodeID"]

@@ -109,12 +109,17 @@ def test_logprobs_and_echo(client, reference) -> None:
     out = reference.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6,
                                                           logprobs=3))[0].outputs[0]
     assert choice.text == PROMPTS[1] + out.text
+    # Echo with logprobs: the prompt's tokens first (the very first without a logprob, as in
+    # OpenAI's API), then the generated ones.
     lp = choice.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
-    for token, value, step in zip(out.token_ids, lp.token_logprobs, out.logprobs):
+    n = len(reference.tokenizer.encode(PROMPTS[1]))
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None for v in lp.token_logprobs[1:])
+    for token, value, step in zip(out.token_ids, lp.token_logprobs[n:], out.logprobs):
         assert value == pytest.approx(step[token].logprob, abs=1e-4)
-    assert all(len(top) == 3 for top in lp.top_logprobs)
-    assert lp.text_offset[0] == len(PROMPTS[1])
+    assert all(len(top) == 3 for top in lp.top_logprobs[n:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(PROMPTS[1])
 
 
 def test_chat_completion_and_stream(client, reference) -> None:

@@ -13,7 +13,7 @@ The policy, per sequence (a call whose first argument, or second for ``submit``,
 - **Prefix affinity**: a prompt longer than ``AFFINITY_BLOCKS`` KV blocks goes to the replica that
   its leading blocks hash to (rendezvous hashing over the replica ids, the same in every process),
   so prompts sharing a prefix meet the same prefix cache, unless that replica carries more than
-  ``AFFINITY_SLACK`` times the lightest load.
+  ``AFFINITY_SLACK`` times the lightest load with the new sequence added to it.
 - Otherwise the lightest replica; ties rotate, so idle replicas take turns.
 
 A call with a ``replica_id`` keyword goes to that replica only (a caller's output stream,
@@ -111,7 +111,9 @@ class EngineRouter(RequestRouter):
         prefix = array("q", tokens[:self._affinity_tokens]).tobytes()
         home = max(ordered, key=lambda r: hashlib.blake2b(
             prefix + r.replica_id.unique_id.encode(), digest_size=8).digest())
+        # The slack covers the new sequence too: on idle replicas, a load report taken while
+        # this caller's previous sequence still ran at home must not send the next elsewhere.
         lightest = loads[by_load[0].replica_id.unique_id]
-        if loads[home.replica_id.unique_id] <= AFFINITY_SLACK * lightest + sequence_cost(spec):
+        if loads[home.replica_id.unique_id] <= AFFINITY_SLACK * (lightest + sequence_cost(spec)):
             return [home] + [r for r in by_load if r is not home]
         return by_load
