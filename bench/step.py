@@ -86,11 +86,16 @@ def time_decode_steps(model: str | None, device: str, eager: bool, steps: int) -
 def time_warm_up(device: str, cache_dir: str) -> dict[str, Any]:
     from meshserve import LLM
 
+    from torch._dynamo.utils import counters
+
     start = time.perf_counter()
     llm = LLM(None, device=device, compile_cache_dir=cache_dir)
     report = llm.engine.runner.warm_up_report
+    # inductor's FX graph cache: a cached start on cpu must miss nothing (nothing compiled anew).
+    inductor = counters["inductor"]
     return {"startup_s": time.perf_counter() - start, "warm_up_s": report.seconds,
-            "programs": report.programs}
+            "programs": report.programs, "fxgraph_cache_hits": inductor["fxgraph_cache_hit"],
+            "fxgraph_cache_misses": inductor["fxgraph_cache_miss"]}
 
 
 def worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     for device, phases in results["warm_up"].items():
         for phase, r in phases.items():
             print(f"warm-up {device:<4}{phase:<8}{r['warm_up_s']:>8.1f} s warm-up, "
-                  f"{r['startup_s']:.1f} s start-up, {r['programs']} programs")
+                  f"{r['startup_s']:.1f} s start-up, {r['programs']} programs, inductor cache "
+                  f"{r['fxgraph_cache_hits']} hits / {r['fxgraph_cache_misses']} misses")
     print(f"\nwrote {args.output} and {args.output.with_suffix('.png')}")
 
 
