@@ -14,7 +14,7 @@ Three measurements, each variant in its own subprocess:
 
 These are CPU figures (xla = torch_xla's PJRT CPU client), not TPU figures.
 
-    .venv/bin/python bench/step.py [--steps 40] [--skip-warm-up] [--output bench/results/step.json]
+    .venv/bin/python bench/step.py [--steps 40] [--warm-up-devices cpu,xla] [--output bench/results/step.json]
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip-warm-up", action="store_true")
+    parser.add_argument("--warm-up-devices", default="cpu,xla",
+                        help="devices whose default-server warm-up is timed (empty: none)")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -124,6 +125,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     info, load_before = machine_info(), os.getloadavg()
     results: dict[str, Any] = {"narrow": {}, "smollm2": {}, "warm_up": {}}
+
+    def save() -> None:
+        # After every measurement, so a run cut short keeps what it measured.
+        info["load_average_1_5_15min"] = {"before": [round(x, 2) for x in load_before],
+                                          "after": [round(x, 2) for x in os.getloadavg()]}
+        write_json(args.output, {"benchmark": "step", "hardware": "CPU", "machine": info,
+                                 "settings": {"sequences": SEQUENCES, "steps": args.steps},
+                                 "results": results})
+
     with tempfile.TemporaryDirectory() as tmp:
         narrow = build_narrow_model(Path(tmp) / "narrow-llama")
         for name, (device, eager) in VARIANTS.items():
@@ -131,17 +141,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[step] {key} {name} ...", file=sys.stderr, flush=True)
                 results[key][name] = run({"kind": "decode", "model": model, "device": device,
                                           "eager": eager, "steps": args.steps})
-        if not args.skip_warm_up:
-            for device in ("cpu", "xla"):
-                cache = str(Path(tmp) / f"cache-{device}")
-                results["warm_up"][device] = {
-                    phase: run({"kind": "warm_up", "device": device, "cache_dir": cache})
-                    for phase in ("cold", "cached")}
-    info["load_average_1_5_15min"] = {"before": [round(x, 2) for x in load_before],
-                                      "after": [round(x, 2) for x in os.getloadavg()]}
-    write_json(args.output, {"benchmark": "step", "hardware": "CPU", "machine": info,
-                             "settings": {"sequences": SEQUENCES, "steps": args.steps},
-                             "results": results})
+                save()
+        for device in filter(None, args.warm_up_devices.split(",")):
+            cache = str(Path(tmp) / f"cache-{device}")
+            results["warm_up"][device] = {}
+            for phase in ("cold", "cached"):
+                print(f"[step] warm-up {device} {phase} ...", file=sys.stderr, flush=True)
+                results["warm_up"][device][phase] = run(
+                    {"kind": "warm_up", "device": device, "cache_dir": cache})
+                save()
     bar_chart(args.output.with_suffix(".png"), list(VARIANTS),
               {key: [results[key][v]["step_ms"] for v in VARIANTS]
                for key in ("narrow", "smollm2")},
