@@ -64,7 +64,7 @@ class PreparedStep:
             "sampling": (s.temperature, s.top_k, s.top_p, s.min_p, s.uniform),
         }
         if s.grammar_bitmask is not None:
-            arrays["grammar"] = (s.grammar_bitmask, s.grammar_rows)
+            arrays["grammar"] = (s.grammar_bitmask, s.grammar_rows, s.grammar_index)
         if self.prompt is not None:
             arrays["prompt_logprobs"] = (self.prompt.index, self.prompt.next_ids)
         parts = {name: _digest(values) for name, values in arrays.items()}
@@ -78,7 +78,8 @@ class PreparedStep:
 def _digest(arrays: tuple[np.ndarray, ...]) -> str:
     h = hashlib.blake2b(digest_size=8)
     for a in arrays:
-        h.update(np.ascontiguousarray(a).tobytes())
+        if a is not None:  # a part this backend does not use (grammar rows or index)
+            h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
 
 
@@ -117,7 +118,11 @@ class StepInputs:
         if grammar is not None:
             sampled_ids = [batch.req_ids[r] if c else None for r, c in zip(active, completes)]
             bitmask, constrained = grammar.rows(sampled_ids, rows)
-            sampling = replace(sampling, grammar_bitmask=bitmask, grammar_rows=constrained)
+            if self.static_shapes:  # one masked program per request bucket: every row, flagged
+                sampling = replace(sampling, grammar_bitmask=bitmask, grammar_rows=constrained)
+            else:
+                index = np.flatnonzero(constrained)
+                sampling = replace(sampling, grammar_bitmask=bitmask[index], grammar_index=index)
         return PreparedStep(layout, active, completes, logits_index, sampling,
                             self.num_logprobs(active, completes), len(layout.input_ids),
                             self.prompt_rows(active, scheduled, layout))

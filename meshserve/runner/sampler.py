@@ -50,6 +50,9 @@ class SamplingTensors(Generic[Array]):
     # Grammar masks (runner/grammar_mask.py), or None when no row is constrained this step.
     grammar_bitmask: Array | None = None  # [R, ceil(V / 32)] int32, 32 tokens per word
     grammar_rows: Array | None = None  # [R] bool: the row's mask applies
+    # Eager backends pass only the constrained rows' masks, and this index [C] int64 of the rows
+    # they belong to (then grammar_rows is None): the work scales with them, not the batch.
+    grammar_index: Array | None = None
 
     def map(self, fn: Callable[[Array], Any]) -> "SamplingTensors[Any]":
         """The same inputs with every array passed through ``fn`` (numpy to device tensors)."""
@@ -80,7 +83,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> Sampl
     only the tokens their mask allows.
     """
     processed = logits if t.penalties is None else apply_penalties(logits, t.penalties)
-    if t.grammar_bitmask is not None:
+    if t.grammar_index is not None:
+        masked = apply_grammar_bitmask(processed[t.grammar_index], t.grammar_bitmask)
+        processed = processed.index_put((t.grammar_index,), masked)
+    elif t.grammar_bitmask is not None:
         processed = apply_grammar_bitmask(processed, t.grammar_bitmask, t.grammar_rows)
     greedy = processed.argmax(dim=-1)
     if t.all_greedy:
