@@ -105,10 +105,9 @@ class CompletionRequest(SamplingFields):
 
     def wanted_prompt_logprobs(self) -> int | None:
         # Echo with logprobs returns the prompt's tokens with theirs, as OpenAI's API does.
-        echoed = self.logprobs if self.echo and self.logprobs is not None else None
-        if self.prompt_logprobs is None or echoed is None:
-            return self.prompt_logprobs if echoed is None else echoed
-        return max(self.prompt_logprobs, echoed)
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
     @field_validator("prompt")
     @classmethod
