@@ -35,7 +35,8 @@ from meshserve.actors.channel import next_batch
 from meshserve.actors.engine_host import EngineHost
 from meshserve.actors.lockstep import Lockstep, agree_on_kv_cache
 from meshserve.actors.messages import (ChannelClosed, Completion, GenerateSpec, HostError,
-                                       RouterOverloaded, SequenceError, ServerDraining)
+                                       RouterOverloaded, SequenceError, ServerDraining,
+                                       direct_channel)
 from meshserve.config import EngineConfig
 from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import EngineStats, TokenDelta
@@ -225,7 +226,7 @@ class HostActor(EngineHost):
         if spec.request_id in self._owner or spec.request_id in self._aborting:
             # refused before its channel exists, which would be shared
             raise ValueError(f"request_id {spec.request_id!r} is already in use")
-        channel = f"direct-{spec.request_id}"  # a private channel: its one reader is this call
+        channel = direct_channel(spec.request_id)  # private: its one reader is this call
         out = self._open(channel)
         finished = False
         try:

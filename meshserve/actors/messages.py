@@ -15,6 +15,12 @@ from meshserve.contracts.sampling import SamplingParams
 from meshserve.contracts.tokens import TokenDelta, TokenLogprobs
 
 
+def direct_channel(request_id: str) -> str:
+    """The private channel of a sequence streamed by one call (``stream_spec``) rather than
+    submitted to a caller's shared channel; hosts report load per channel under this name."""
+    return f"direct-{request_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateSpec:
     """One sequence to generate, as sent from a router to a host."""

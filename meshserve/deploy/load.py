@@ -11,9 +11,12 @@ import threading
 import time
 import uuid
 
-from meshserve.actors.messages import GenerateSpec
+from meshserve.actors.messages import GenerateSpec, direct_channel
 
 FAILED_FOR_S = 30.0  # how long a replica whose stream broke is skipped by this process
+# How long a finished sequence may still appear in a replica's load report (Serve polls the
+# reports every second or so, and a poll can be in flight when the sequence ends).
+REPORT_LAG_S = 10.0
 
 
 class ReplicaGone(RuntimeError):
@@ -28,6 +31,10 @@ class LoadBook:
         self._lock = threading.Lock()  # the router may run on its own event loop thread
         self._held: dict[str, tuple[str, int]] = {}  # sequence id -> (replica id, tokens)
         self._owed: dict[str, int] = {}
+        # Direct channel of every sequence placed here: those running, and those finished ->
+        # until when a replica's load report may still carry them (in order of that time).
+        self._running: set[str] = set()
+        self._finished: dict[str, float] = {}
         self._failed: dict[str, float] = {}
         self.replica_ids: frozenset[str] = frozenset()  # what this process's routers see
 
@@ -36,6 +43,7 @@ class LoadBook:
         with self._lock:
             self._release(key)
             self._held[key] = (replica_id, tokens)
+            self._running.add(direct_channel(key))
             self._owed[replica_id] = self._owed.get(replica_id, 0) + tokens
 
     def release(self, key: str) -> None:
@@ -46,9 +54,26 @@ class LoadBook:
         held = self._held.pop(key, None)
         if held is not None:
             self._owed[held[0]] -= held[1]
+            channel = direct_channel(key)
+            self._running.discard(channel)
+            self._finished.pop(channel, None)
+            self._finished[channel] = time.monotonic() + REPORT_LAG_S
 
     def owed(self, replica_id: str) -> int:
         return self._owed.get(replica_id, 0)
+
+    def others(self, reported: dict[str, int]) -> int:
+        """Tokens in a replica's per-channel load report that other processes owe: without this
+        process's shared channel, or the direct channel of any sequence it placed (``owed``
+        counts those still running exactly; a stale report must not count one twice, or one
+        that has finished)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._finished and next(iter(self._finished.values())) <= now:
+                del self._finished[next(iter(self._finished))]
+            return sum(tokens for channel, tokens in reported.items()
+                       if channel != self.caller_id and channel not in self._running
+                       and channel not in self._finished)
 
     def mark_failed(self, replica_id: str) -> None:
         self._failed[replica_id] = time.monotonic() + FAILED_FOR_S

@@ -94,8 +94,7 @@ class EngineRouter(RequestRouter):
     def _load(self, replica: RunningReplica) -> int:
         """Tokens owed on ``replica``: this process's own, plus what it reports for others."""
         reported = (replica.routing_stats or {}).get("owed_tokens", {})
-        others = sum(v for k, v in reported.items() if k != self._book.caller_id)
-        return self._book.owed(replica.replica_id.unique_id) + others
+        return self._book.owed(replica.replica_id.unique_id) + self._book.others(reported)
 
     def _rank(self, candidates: list[RunningReplica], spec: GenerateSpec) -> list[RunningReplica]:
         """Candidates best first: the affine replica if its load allows, then by load."""
