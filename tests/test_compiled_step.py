@@ -38,6 +38,33 @@ def test_compiled_and_eager_agree_token_for_token(compiled_and_eager) -> None:
     assert eager.engine.runner.warm_up_report.programs == 0
 
 
+def test_the_compiled_forward_holds_its_weights_frozen_in(compiled_and_eager) -> None:
+    # Freezing makes the weights constants of the program, which is what lets inductor prepack
+    # each linear layer's weight once (oneDNN/MKL) instead of transposing it at every call. The
+    # sign of it: the program holds its own copy of the linear weights, so zeroing the module's
+    # changes nothing it computes.
+    compiled, _ = compiled_and_eager
+    model = compiled.engine.runner.model
+    prompts = mixed_prompts(4, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+    # An embedding is read by index, in place; a head tied to it shares that weight.
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    weights = [m.weight for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded]
+    assert weights
+    saved = [w.detach().clone() for w in weights]
+    try:
+        with torch.no_grad():
+            for w in weights:
+                w.zero_()
+        assert [o.outputs[0].token_ids for o in compiled.generate(prompts, params)] == want
+    finally:
+        with torch.no_grad():
+            for w, s in zip(weights, saved):
+                w.copy_(s)
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
 def test_a_batch_of_one_or_two_sequences_warms_up_and_agrees(tiny_llama_dir: str,
                                                                max_num_seqs: int) -> None:

@@ -49,6 +49,7 @@ class CompiledPiece:
         self._programs: dict[Hashable, Callable[..., Any]] = {}
         self._captured: list[types.CodeType] | None = None
         self._compiled = None
+        self._options = dict(options or {})
         if not eager:
             self._compiled = torch.compile(self.fn, backend=backend, dynamic=dynamic,
                                            fullgraph=True, options=options)
@@ -89,13 +90,17 @@ class CompiledPiece:
 
     def _capture(self, args: tuple[Any, ...]) -> tuple[list[types.CodeType], Any]:
         import torch._dynamo
+        import torch._inductor.config
 
         hook = torch._dynamo.convert_frame.register_bytecode_hook(self._on_bytecode)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
         self._captured = []
         try:
-            out = self._compiled(*args)
+            # Set for the whole capture, not only through torch.compile's options: dynamo reads
+            # inductor's freezing flag itself, to keep the weights out of the graph's inputs.
+            with torch._inductor.config.patch(self._options):
+                out = self._compiled(*args)
             return self._captured, out
         finally:
             self._captured = None

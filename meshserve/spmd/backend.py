@@ -48,8 +48,10 @@ class Backend:
 
     @property
     def compile_options(self) -> dict[str, bool] | None:
-        # Freezing turns the weights into constants of the compiled program, so inductor can
-        # prepack every linear layer's weight once for oneDNN / MKL instead of at each call.
+        # Freezing turns the weights into constants of the compiled program, so inductor folds
+        # their transposes once and, in bfloat16, prepacks every linear layer's weight for
+        # oneDNN (MKL's fp32 packing would need a static token count). CompiledPiece applies
+        # it for the whole capture: dynamo reads the flag too.
         return None if self.name == "xla" else {"freezing": True}
 
     def auto_dtype(self) -> tuple[torch.dtype, str]:
