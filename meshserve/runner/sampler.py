@@ -80,12 +80,16 @@ def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int) -> Sampl
 
     ``num_logprobs > 0`` also returns the sampled token's log probability and the top
     ``num_logprobs`` of the model's unmodified distribution. Rows a grammar constrains sample
-    only the tokens their mask allows.
+    only the tokens their mask allows; with ``t.grammar_index`` (eager backends) and no
+    logprobs wanted, their rows of ``logits`` are masked in place, which saves copying the
+    whole ``[R, vocab]``.
     """
     processed = logits if t.penalties is None else apply_penalties(logits, t.penalties)
-    if t.grammar_index is not None:
+    if t.grammar_index is not None:  # eager only: the constrained rows, masked in place
         masked = apply_grammar_bitmask(processed[t.grammar_index], t.grammar_bitmask)
-        processed = processed.index_put((t.grammar_index,), masked)
+        if processed is logits and num_logprobs > 0:
+            processed = logits.clone()  # logprobs are of the model's own distribution
+        processed.index_put_((t.grammar_index,), masked)
     elif t.grammar_bitmask is not None:
         processed = apply_grammar_bitmask(processed, t.grammar_bitmask, t.grammar_rows)
     greedy = processed.argmax(dim=-1)
