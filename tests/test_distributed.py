@@ -31,7 +31,8 @@ from meshserve.actors import (Completion, FollowerHost, GenerateSpec, HostError,
 from meshserve.actors.lockstep import check_agreement
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
-from meshserve.deploy.client import EngineClient
+from meshserve.deploy.client import EngineClient, replica_lost
+from meshserve.deploy.load import ReplicaGone
 from meshserve.deploy.settings import ServeSettings
 from tests.local_cluster import tpu_nodes
 
@@ -334,6 +335,22 @@ def test_a_follower_out_of_step_fails_every_stream_of_the_replica(cluster, refer
     finally:
         group.kill()
         placement.release()
+
+
+@ray.remote(num_cpus=0)
+def _fail_as_replica(replica_id: str) -> None:
+    raise ReplicaGone(f"engine replica {replica_id} failed: host 0 engine failed", replica_id)
+
+
+@slow
+def test_a_failed_replica_names_itself_across_ray_so_callers_skip_it(cluster):
+    # What Engine.submit raises when its lead's engine has stopped: the caller must see a lost
+    # replica (and which), not a request error, so that it retries elsewhere.
+    with pytest.raises(ReplicaGone) as caught:
+        ray.get(_fail_as_replica.remote("replica-7"), timeout=60)
+    assert replica_lost(caught.value)
+    assert caught.value.replica_id == "replica-7"
+    assert "host 0 engine failed" in str(caught.value)
 
 
 # --- A simulated two-host TPU slice ---------------------------------------------------------

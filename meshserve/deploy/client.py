@@ -43,7 +43,7 @@ class ReplicaFailed(RuntimeError):
     """The engine replica serving a sequence failed (or its stream broke)."""
 
 
-def _replica_lost(exc: BaseException) -> bool:
+def replica_lost(exc: BaseException) -> bool:
     """Does ``exc`` say the replica (not the request) is gone?"""
     import ray
 
@@ -102,7 +102,10 @@ class EngineClient:
             try:
                 replica_id, lead, error = await self._call("submit", self.channel, spec)
             except Exception as exc:
-                if _replica_lost(exc):
+                if replica_lost(exc):
+                    gone = getattr(exc, "replica_id", None)  # a ReplicaGone names the replica
+                    if gone is not None:
+                        self.book.mark_failed(gone)
                     raise ReplicaFailed(f"an engine replica is unavailable: {exc}") from None
                 raise
             if error is not None:

@@ -25,10 +25,12 @@ from dataclasses import asdict
 from ray import serve
 
 from meshserve.actors.lockstep import check_agreement
-from meshserve.actors.messages import Completion, GenerateSpec, HostInfo, RequestRejected
+from meshserve.actors.messages import (Completion, GenerateSpec, HostError, HostInfo,
+                                       RequestRejected)
 from meshserve.actors.replica import start_replica
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.engine_placement import EnginePlacement
+from meshserve.deploy.load import ReplicaGone
 from meshserve.deploy.logs import configure_process_logging
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
@@ -65,8 +67,6 @@ class EngineReplica:
         replica at once (placement group and all), and callers stop choosing this one."""
         import ray
 
-        from meshserve.actors.messages import HostError
-
         while True:
             await asyncio.sleep(WATCH_S)
             try:
@@ -83,7 +83,13 @@ class EngineReplica:
         """Queue one sequence for ``channel`` on the lead; returns (this replica's id, the lead's
         handle, an error message or None). The lead raises ``RouterOverloaded`` when it holds
         ``max_queued_requests`` sequences, and ``ServerDraining`` after ``drain``."""
-        error = (await self.lead.submit.remote(channel, [spec]))[0]
+        try:
+            error = (await self.lead.submit.remote(channel, [spec]))[0]
+        except HostError as exc:
+            # The engine stopped; this replica leaves within WATCH_S. Until Serve notices, say
+            # which replica failed, so the caller places the sequence on another one.
+            raise ReplicaGone(f"engine replica {self.replica_id} failed: "
+                              f"{getattr(exc, 'cause', exc)}", self.replica_id) from None
         return self.replica_id, self.lead, error
 
     async def generate(self, spec: GenerateSpec) -> Completion:

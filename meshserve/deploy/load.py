@@ -20,7 +20,15 @@ REPORT_LAG_S = 10.0
 
 
 class ReplicaGone(RuntimeError):
-    """A call meant for one engine replica found it no longer serving."""
+    """A call meant for one engine replica found it no longer serving; ``replica_id`` names it,
+    so that a caller can skip it before Serve has noticed."""
+
+    def __init__(self, message: str, replica_id: str) -> None:
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):  # travels inside Ray's task errors
+        return type(self), (str(self), self.replica_id)
 
 
 class LoadBook:

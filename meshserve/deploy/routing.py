@@ -88,7 +88,7 @@ class EngineRouter(RequestRouter):
         # Fail the call instead of waiting for a replica that will not come back; routing stops
         # as soon as it sees the request settled.
         if not request.future.done():
-            request.future.set_exception(ReplicaGone(f"engine replica {target} is gone"))
+            request.future.set_exception(ReplicaGone(f"engine replica {target} is gone", target))
         return [candidates[:1]]
 
     def _load(self, replica: RunningReplica) -> int:
