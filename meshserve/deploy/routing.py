@@ -14,7 +14,8 @@ The policy, per sequence (a call whose first argument, or second for ``submit``,
   its leading blocks hash to (rendezvous hashing over the replica ids, the same in every process),
   so prompts sharing a prefix meet the same prefix cache, unless that replica carries more than
   ``AFFINITY_SLACK`` times the lightest load with the new sequence added to it.
-- Otherwise the lightest replica; ties rotate, so idle replicas take turns.
+- Otherwise the lightest replica; of equals, the one this router chose least recently, so idle
+  replicas take turns.
 
 A call with a ``replica_id`` keyword goes to that replica only (a caller's output stream,
 keep-alives, aborts and stats); if it is gone, the call fails at once with ``ReplicaGone``.
@@ -46,12 +47,14 @@ class EngineRouter(RequestRouter):
     def initialize_state(self, block_size: int = 16) -> None:
         self._book = load_book(self._deployment_id.app_name, self._deployment_id.name)
         self._affinity_tokens = AFFINITY_BLOCKS * block_size
-        self._turn = itertools.count()
+        self._picks = itertools.count()
+        self._last_pick: dict[str, int] = {}  # replica id -> when this router last chose it
         self._direct: dict[str, str] = {}  # internal request id -> sequence id (generate calls)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._book.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+        self._last_pick = {k: v for k, v in self._last_pick.items() if k in self._book.replica_ids}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -69,7 +72,9 @@ class EngineRouter(RequestRouter):
         if spec is None:
             return [live]
         ranked = self._rank(live, spec)
-        self._book.hold(spec.request_id, ranked[0].replica_id.unique_id, sequence_cost(spec))
+        chosen = ranked[0].replica_id.unique_id
+        self._last_pick[chosen] = next(self._picks)
+        self._book.hold(spec.request_id, chosen, sequence_cost(spec))
         if pending_request.metadata.call_method != "submit":  # released when the call ends
             self._direct[pending_request.metadata.internal_request_id] = spec.request_id
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
@@ -99,11 +104,12 @@ class EngineRouter(RequestRouter):
     def _rank(self, candidates: list[RunningReplica], spec: GenerateSpec) -> list[RunningReplica]:
         """Candidates best first: the affine replica if its load allows, then by load."""
         ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
-        turn, count = next(self._turn), len(ordered)
         loads = {r.replica_id.unique_id: self._load(r) for r in ordered}
-        by_load = [r for _, r in sorted(
-            ((loads[r.replica_id.unique_id], (i - turn) % count), r)
-            for i, r in enumerate(ordered))]
+        # Ties go to the replica this router chose least recently. (Not a turn counter: the
+        # caller may see a call's result before Serve tells the router it ended, so the
+        # previous sequence can still count as load, which would knock a counter's order off.)
+        by_load = sorted(ordered, key=lambda r: (loads[r.replica_id.unique_id],
+                                                 self._last_pick.get(r.replica_id.unique_id, -1)))
         tokens = spec.prompt_token_ids
         if len(tokens) <= self._affinity_tokens:
             return by_load
