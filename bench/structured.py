@@ -84,11 +84,11 @@ def run_batch(llm, batch: int, constrained: int, steps: int) -> dict[str, float]
             "steps": len(decode)}
 
 
-def device_mask_ms(rows: int, constrained: int, vocab: int, device: str,
+def device_mask_ms(rows: int, constrained: int, vocab: int, device: str, runner,
                    repeats: int = 50) -> float:
     """The mask as the runner's sampling piece applies it: on xla every row of the batch, with a
     flag saying which are constrained (one program per request bucket); on cpu the constrained
-    rows alone."""
+    rows alone, through the runner's compiled mask, written back in place."""
     from meshserve.runner.grammar_mask import apply_grammar_bitmask
 
     logits = torch.randn(rows, vocab)
@@ -96,11 +96,11 @@ def device_mask_ms(rows: int, constrained: int, vocab: int, device: str,
     flags = torch.zeros(rows, dtype=torch.bool)
     flags[:constrained] = True
     sync = None
-    if device == "cpu":  # the eager sampler masks the constrained rows alone, by index
+    if device == "cpu":  # the eager sampler masks the constrained rows alone, in place
         index = torch.arange(constrained)
         started = time.perf_counter()
         for _ in range(repeats):
-            out = logits.index_put((index,), apply_grammar_bitmask(logits[index], bitmask[index]))
+            logits.index_put_((index,), runner.grammar_mask(None, logits[index], bitmask[index]))
         return 1e3 * (time.perf_counter() - started) / repeats
     if device == "xla":
         import torch_xla
@@ -139,7 +139,7 @@ def main() -> None:
     free = run_batch(llm, args.batch, 0, args.steps)
     mixed = run_batch(llm, args.batch, args.constrained, args.steps)
     device = device_mask_ms(args.batch, args.constrained, llm.engine.loaded.config.vocab_size,
-                            args.device)
+                            args.device, llm.engine.runner)
     masks = mixed["host_ms"] + device
     result: dict[str, Any] = {
         "machine": machine_info(),

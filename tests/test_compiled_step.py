@@ -34,7 +34,8 @@ def test_compiled_and_eager_agree_token_for_token(compiled_and_eager) -> None:
                                   logprobs=3)):
         a, b = compiled.generate(prompts, params), eager.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert compiled.engine.runner.warm_up_report.programs == 2  # forward and logits, once each
+    # forward, logits and the grammar mask, once each
+    assert compiled.engine.runner.warm_up_report.programs == 3
     assert eager.engine.runner.warm_up_report.programs == 0
 
 

@@ -9,12 +9,14 @@ request still in chunked prefill is sampled with the batch and its token thrown 
 Each piece is a ``CompiledPiece`` (``compiled.py``): compiled with torch.compile at warm-up and
 then dispatched without dynamo. On xla every piece comes from a finite set of static shapes (token
 bucket, request bucket, rank filters and logprobs on or off) and warm-up compiles each; on cpu the
-forward and the logits are compiled once with dynamic sizes by inductor (selection and sampling
-stay eager: one or a few ops, nothing to fuse). ``enforce_eager`` skips compilation.
+forward, the logits and the grammar mask are compiled once with dynamic sizes by inductor
+(selection and the rest of sampling stay eager: one or a few ops each). ``enforce_eager`` skips
+compilation.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -29,6 +31,7 @@ from meshserve.contracts.tokens import TokenLogprobs
 from meshserve.runner.attention import AttentionMetadata, KVCache, select_attention
 from meshserve.runner.buckets import request_buckets, token_buckets
 from meshserve.runner.compiled import CompiledPiece
+from meshserve.runner.grammar_mask import apply_grammar_bitmask
 from meshserve.runner.input_batch import InputBatch
 from meshserve.runner.inputs import PreparedStep, SamplingArrays, StepInputs
 from meshserve.runner.loader import LoadedModel
@@ -86,6 +89,9 @@ class ModelRunner:
         self.select = self._piece(select_rows, compile_on_cpu=False)
         self.logits = self._piece(self._compute_logits, compile_on_cpu=True)
         self.sample = self._piece(sample, compile_on_cpu=False)
+        # The eager sampler's grammar mask, compiled on its own (xla compiles it into sample).
+        self.grammar_mask = (None if backend.static_shapes
+                             else self._piece(apply_grammar_bitmask, compile_on_cpu=True))
         self.prompt_logprobs = self._piece(self._prompt_logprobs, compile_on_cpu=False)
 
     def _piece(self, fn, *, compile_on_cpu: bool) -> CompiledPiece:
@@ -213,7 +219,11 @@ class ModelRunner:
         s = p.sampling
         key = (rows, s.use_top_k or s.use_top_p, p.num_logprobs,
                s.grammar_bitmask is not None) if static else None
-        return self.sample(key, logits, self.sampling_tensors(s), p.num_logprobs), hidden
+        tensors = self.sampling_tensors(s)
+        if static:
+            return self.sample(key, logits, tensors, p.num_logprobs), hidden
+        return self.sample(key, logits, tensors, p.num_logprobs,
+                           functools.partial(self.grammar_mask, None)), hidden
 
     def _prompt_logprobs(self, hidden: torch.Tensor, index: torch.Tensor, next_ids: torch.Tensor,
                          k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

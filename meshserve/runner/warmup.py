@@ -2,8 +2,9 @@
 
 On xla that is a finite set of static shapes: the forward per token bucket, the selection per
 (token bucket, reachable request bucket), the logits per request bucket, and sampling per request
-bucket with the rank filters on or off and logprobs on or off. On cpu the forward and the logits
-are each compiled once for dynamic sizes, and proven general by a second call at unrelated sizes.
+bucket with the rank filters on or off and logprobs on or off. On cpu the forward, the logits
+and the grammar mask are each compiled once for dynamic sizes, and proven general by a second call
+at unrelated sizes.
 Every call runs on padding (no request's tokens, writes into the null block), and each prints a
 progress line, so a long compilation is visibly alive.
 """
@@ -58,6 +59,7 @@ class Runner(Protocol):
     logits: CompiledPiece
     sample: CompiledPiece
     prompt_logprobs: CompiledPiece
+    grammar_mask: CompiledPiece | None  # only where sample runs eagerly (dynamic shapes)
 
     def to_device(self, array: np.ndarray, token_major: bool = False) -> torch.Tensor: ...
 
@@ -105,7 +107,7 @@ def _padding_inputs(runner: Runner, tokens: int, seqs: int):
 
 
 def _warm_up_dynamic(runner: Runner) -> int:
-    progress = _Progress(2 * len(_DYNAMIC_SIZES))
+    progress = _Progress(3 * len(_DYNAMIC_SIZES))
     for tokens, seqs, rows in _DYNAMIC_SIZES:
         # The persistent batch has max_num_seqs rows. Below 3 every step's sequences are padded
         # to the same MIN_SIZE anyway, so a program specialised on it is the general one.
@@ -113,8 +115,14 @@ def _warm_up_dynamic(runner: Runner) -> int:
         progress(f"forward, {tokens} tokens over {seqs} sequences")
         hidden = runner.forward_step(None, *_padding_inputs(runner, tokens, seqs), warm_up=True)
         progress(f"logits, {rows} rows")
-        runner.logits.warm_up(None, hidden[:1].expand(rows, -1).contiguous())
-    return runner.forward.num_programs + runner.logits.num_programs
+        logits = runner.logits.warm_up(None, hidden[:1].expand(rows, -1).contiguous())
+        progress(f"grammar mask, {rows} rows")
+        # Every token allowed: the program must not depend on which are.
+        words = -(-logits.shape[1] // 32)
+        runner.grammar_mask.warm_up(None, logits.float(),
+                                    torch.full((rows, words), -1, dtype=torch.int32))
+    return (runner.forward.num_programs + runner.logits.num_programs
+            + runner.grammar_mask.num_programs)
 
 
 def _warm_up_static(runner: Runner) -> int:
