@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import re
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +46,7 @@ bind_serve_grpc_to_node_ip()
 
 app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
 LOADED_WAIT_S = 2.0  # how long a request waits for the engines' first answer before a 503
+INFO_REASK_S = 15.0  # how long that first question may go unanswered before it is asked again
 REPLICA_HEADER = "x-meshserve-ingress"
 _UNION_TAG = re.compile(r"str|int|float|bool|[a-z_-]+\[.*\]|function-.*")
 
@@ -118,13 +120,22 @@ class OpenAIIngress:
         self.api_key = settings.resolved_api_key()
         self.metrics = ServingMetrics()
         self._info_task: asyncio.Task | None = None
+        self._info_asked_at = 0.0
 
     # ------------------------------------------------------------------ plumbing
     async def _loaded(self, wait_s: float) -> HostInfo | None:
         """The engines' model limits once some engine replica serves, else None after waiting
         at most ``wait_s`` (the question stays asked in the background)."""
+        now = time.monotonic()
+        if self._info_task is not None and not self._info_task.done() \
+                and now - self._info_asked_at > INFO_REASK_S:
+            # Asked while no engine replica ran yet, a call has been seen to wait on after one
+            # came up (the server said ready, /health stayed 503): ask afresh now and then.
+            self._info_task.cancel()
+            self._info_task = None
         if self._info_task is None:
             self._info_task = asyncio.ensure_future(self.engine.handle.info.remote())
+            self._info_asked_at = now
         await asyncio.wait([self._info_task], timeout=wait_s)
         if not self._info_task.done():
             return None
