@@ -32,7 +32,7 @@ from meshserve.actors.messages import (Completion, GenerateSpec, RequestRejected
                                        SequenceError)
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.actors.host import KEEPALIVE_S
-from meshserve.deploy.load import load_book, sequence_cost
+from meshserve.deploy.load import ReplicaGone, load_book, sequence_cost
 
 logger = logging.getLogger("meshserve.client")
 
@@ -46,8 +46,6 @@ class ReplicaFailed(RuntimeError):
 def replica_lost(exc: BaseException) -> bool:
     """Does ``exc`` say the replica (not the request) is gone?"""
     import ray
-
-    from meshserve.deploy.load import ReplicaGone
 
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                             ReplicaGone))
