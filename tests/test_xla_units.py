@@ -12,7 +12,11 @@ import torch
 from meshserve.config import ModelConfig, ParallelConfig
 from meshserve.runner.attention import (PaddedAttention, PagedCpuAttention, PallasAttention,
                                         StepLayout, select_attention)
-from meshserve.runner.buckets import reachable_request_buckets
+from meshserve.contracts.sampling import SamplingParams
+from meshserve.contracts.step import NewRequestData
+from meshserve.runner.buckets import context_buckets, pick_bucket, reachable_request_buckets
+from meshserve.runner.input_batch import InputBatch
+from meshserve.runner.inputs import StepInputs
 from meshserve.spmd.backend import Backend, create_backend
 from meshserve.spmd.mesh import build_mesh
 from meshserve.spmd.sharding import ShardingPlan, kv_head_copies, plan_sharding, weight_spec
@@ -123,6 +127,62 @@ def test_padded_attention_equals_the_reference(window: int | None) -> None:
     # The updated cache comes back as new tensors (block 0, the null block, takes padding).
     torch.testing.assert_close(got_k[1:], want_k[1:], rtol=0, atol=0)
     torch.testing.assert_close(got_v[1:], want_v[1:], rtol=0, atol=0)
+
+
+def test_padded_attention_on_a_block_table_cut_to_its_context_bucket() -> None:
+    """The forward reads only a bucket's width of each block table; the keys past the
+    longest request are never read, so the cut changes nothing."""
+    assert context_buckets(32) == [4, 16, 32] and context_buckets(64) == [4, 16, 64]
+    assert context_buckets(3) == [3]
+    assert PagedCpuAttention(None).context_buckets(32) == [32]  # whole rows: no graph to fit
+    layout, q, k, v, k_hist, v_hist = random_step()
+    want, _, _ = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.25, None)
+    # As wide as the persistent batch's rows of a 64-token model (16 blocks of 4), then cut.
+    wide = replace(layout, block_table=np.pad(layout.block_table, ((0, 0), (0, 12))))
+    padded = PaddedAttention(None)
+    width = pick_bucket(padded.context_buckets(wide.context_blocks),
+                        -(-int(layout.seq_lens.max()) // BLOCK))
+    assert width == 4 < wide.context_blocks
+    cut = replace(wide, block_table=wide.block_table[:, :width])
+    n = layout.num_tokens
+    for table in (wide, cut):
+        got, _ = padded.forward(q, k, v, (k_hist, v_hist), padded.metadata(table, on_cpu), 0.25)
+        torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
+
+
+def static_inputs(requests: dict[str, tuple[int, SamplingParams]]) -> StepInputs:
+    """A compiling backend's input preparation over a batch of requests (id: prompt length,
+    params), each holding the blocks its prompt needs and all but its last token computed."""
+    batch = InputBatch(max_reqs=8, max_model_len=256, max_blocks_per_req=256 // 16)
+    next_block = 1
+    for request_id, (length, params) in requests.items():
+        blocks = tuple(range(next_block, next_block + -(-length // 16)))
+        next_block += len(blocks)
+        batch.add(NewRequestData(request_id, tuple(range(length)), length, params, 0, blocks,
+                                 length - 1))
+    return StepInputs(batch, block_size=16, max_model_len=256, vocab_size=100,
+                      token_buckets=[16, 32, 64], request_buckets=[8], context_buckets=[4, 16],
+                      static_shapes=True, seed=0)
+
+
+def test_a_compiling_backend_picks_its_sampler_graph_and_context_bucket() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    inputs = static_inputs({"a": (20, greedy), "b": (9, greedy)})
+    step = inputs.prepare({"a": 1, "b": 1})
+    assert step.layout.context_blocks == 4  # 20 tokens: 2 blocks, in the 4-block bucket
+    assert step.sampling.all_greedy and step.sampling.penalties is None  # the argmax alone
+    assert "greedy=True" in step.fingerprint()["program"]
+    # A long request moves the step to the wide bucket; a penalty, even on a greedy row, or one
+    # sampled row takes the general sampler, which always carries penalty columns.
+    for requests in ({"a": (100, greedy)}, {"a": (9, SamplingParams(temperature=0.0,
+                                                                     repetition_penalty=1.2))},
+                     {"a": (9, greedy), "b": (9, SamplingParams(temperature=0.7))}):
+        step = static_inputs(requests).prepare(dict.fromkeys(requests, 1))
+        long = max(n for n, _ in requests.values()) > 64
+        assert step.layout.context_blocks == (16 if long else 4)
+        general = any(p.needs_penalties or p.temperature > 0 for _, p in requests.values())
+        assert step.sampling.all_greedy is not general
+        assert (step.sampling.penalties is not None) is general
 
 
 def test_pallas_layout_and_metadata_against_torch_xlas_reference_loop() -> None:

@@ -1,4 +1,4 @@
-"""Static shape buckets: the finite set of (tokens, requests) shapes the runner ever executes.
+"""Static shape buckets: the finite set of (tokens, requests, context) shapes the runner executes.
 
 A compiling backend compiles each bucket once at warm-up; every step is padded up to the first
 bucket that fits, so serving never meets a new shape.
@@ -23,6 +23,15 @@ def request_buckets(max_requests: int, start: int = 8) -> list[int]:
     buckets = [min(start, max_requests)]
     while buckets[-1] < max_requests:
         buckets.append(min(buckets[-1] * 2, max_requests))
+    return buckets
+
+
+def context_buckets(max_blocks: int, start: int = 4, factor: int = 4) -> list[int]:
+    """Block-table widths: ``start`` blocks, times ``factor`` each, the last capped at
+    ``max_blocks``. Coarse on purpose: each width multiplies the forward programs."""
+    buckets = [min(start, max_blocks)]
+    while buckets[-1] < max_blocks:
+        buckets.append(min(buckets[-1] * factor, max_blocks))
     return buckets
 
 

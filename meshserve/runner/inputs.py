@@ -68,7 +68,8 @@ class PreparedStep:
         if self.prompt is not None:
             arrays["prompt_logprobs"] = (self.prompt.index, self.prompt.next_ids)
         parts = {name: _digest(values) for name, values in arrays.items()}
-        parts["program"] = (f"tokens={self.token_bucket} rows={self.rows} "
+        parts["program"] = (f"tokens={self.token_bucket} context={layout.context_blocks} "
+                            f"rows={self.rows} greedy={s.all_greedy} "
                             f"ranked={s.use_top_k or s.use_top_p} logprobs={self.num_logprobs} "
                             f"penalties={s.penalties is not None} "
                             f"grammar={s.grammar_bitmask is not None}")
@@ -88,13 +89,14 @@ class StepInputs:
 
     def __init__(self, batch: InputBatch, *, block_size: int, max_model_len: int,
                  vocab_size: int, token_buckets: list[int], request_buckets: list[int],
-                 static_shapes: bool, seed: int) -> None:
+                 context_buckets: list[int], static_shapes: bool, seed: int) -> None:
         self.batch = batch
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.token_buckets = token_buckets
         self.request_buckets = request_buckets
+        self.context_buckets = context_buckets  # block-table widths (attention's choice)
         self.static_shapes = static_shapes
         # Draws for unseeded requests; the same seed on every host keeps lockstep replicas equal.
         self.rng = np.random.default_rng(seed)
@@ -153,8 +155,11 @@ class StepInputs:
                           _padded(np.concatenate(next_ids), padded, 0), tuple(owners))
 
     # ------------------------------------------------------------------ tokens
-    def layout(self, scheduled: np.ndarray, padded: int | None = None) -> StepLayout:
-        """Token ids, positions and slot mapping of a step, padded to its token bucket."""
+    def layout(self, scheduled: np.ndarray, padded: int | None = None,
+               context: int | None = None) -> StepLayout:
+        """Token ids, positions and slot mapping of a step, padded to its token bucket, and the
+        block table cut to the first context bucket that holds its longest request (``padded``
+        and ``context`` force a bucket: warm-up)."""
         batch, bs = self.batch, self.block_size
         n, total = len(scheduled), int(scheduled.sum())
         if padded is None:
@@ -171,8 +176,10 @@ class StepInputs:
         slots = np.zeros(padded, dtype=np.int64)  # padding writes into the null block
         slots[:total] = batch.block_table[rows, pos // bs].astype(np.int64) * bs + pos % bs
         seq_lens = (batch.num_computed_tokens[:n] + scheduled).astype(np.int64)
+        if context is None:
+            context = pick_bucket(self.context_buckets, -(-int(seq_lens.max(initial=0)) // bs))
         return StepLayout(input_ids, positions, slots, rows, starts, seq_lens,
-                          batch.block_table[:n])
+                          batch.block_table[:n, :context])
 
     # ------------------------------------------------------------------ sampling
     def num_logprobs(self, active: np.ndarray, completes: np.ndarray) -> int:
@@ -198,17 +205,22 @@ class StepInputs:
         sampling = temperature > 0
         use_top_k = bool((top_k[sampling] > 0).any())
         use_top_p = bool((top_p[sampling] < 1).any())
+        penalized = any(b.params[r].needs_penalties for r in active)
         if self.static_shapes:
-            # A compiling backend runs the general path (greedy rows, min-p and penalties
-            # included) whatever the batch asks for. Only the rank filters stay optional, as one
-            # flag: they need a sort of the vocabulary (~55 ms per step on XLA:CPU) that most
-            # batches can skip. So two sampler graphs per request bucket, times logprobs on/off.
-            all_greedy, use_min_p = False, True
+            # A compiling backend has three sampler graphs per request bucket (times logprobs
+            # and grammar on or off). A greedy batch with no penalty takes the argmax alone;
+            # any other runs the general path (greedy rows, min-p and penalties included),
+            # with the rank filters as one flag: they need a sort of the vocabulary (~55 ms per
+            # step on XLA:CPU) that most batches can skip.
+            all_greedy = not sampling.any() and not penalized
+            use_min_p = not all_greedy
             use_top_k = use_top_p = use_top_k or use_top_p
+            penalties = None if all_greedy else self.penalties(active, rows)
         else:
             all_greedy, use_min_p = not sampling.any(), bool((min_p[sampling] > 0).any())
+            penalties = self.penalties(active, rows) if penalized else None
         return SamplingTensors(temperature, top_k, top_p, min_p, uniform, all_greedy, use_top_k,
-                               use_top_p, use_min_p, self._penalties(active, rows))
+                               use_top_p, use_min_p, penalties)
 
     def _uniform(self, row: int) -> float:
         seed = self.batch.params[row].seed
@@ -218,11 +230,10 @@ class StepInputs:
         index = int(self.batch.num_tokens[row] - self.batch.num_prompt_tokens[row])
         return float(np.random.default_rng([seed, int(self.batch.sample_index[row]), index]).random())
 
-    def _penalties(self, active: np.ndarray, rows: int) -> PenaltyTensors[np.ndarray] | None:
+    def penalties(self, active: np.ndarray, rows: int) -> PenaltyTensors[np.ndarray]:
+        """The penalty columns of rows ``active``, padded to ``rows`` (neutral in padding)."""
         b, count = self.batch, len(active)
         general = self.static_shapes
-        if not general and not any(b.params[r].needs_penalties for r in active):
-            return None
         vocab = self.vocab_size
         # Token ids where they are, vocab_size (a column the scatter drops) elsewhere. A compiling
         # backend pads to max_model_len so the width is not a graph dimension.

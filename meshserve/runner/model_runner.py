@@ -7,11 +7,11 @@ the KV cache), the selection of each sampled row's hidden state, the logits, and
 request still in chunked prefill is sampled with the batch and its token thrown away.
 
 Each piece is a ``CompiledPiece`` (``compiled.py``): compiled with torch.compile at warm-up and
-then dispatched without dynamo. On xla every piece comes from a finite set of static shapes (token
-bucket, request bucket, rank filters and logprobs on or off) and warm-up compiles each; on cpu the
-forward, the logits and the grammar mask are compiled once with dynamic sizes by inductor
-(selection and the rest of sampling stay eager: one or a few ops each). ``enforce_eager`` skips
-compilation.
+then dispatched without dynamo. On xla every piece comes from a finite set of static shapes
+(token and context bucket, request bucket, greedy alone or general, rank filters and logprobs
+on or off) and warm-up compiles each; on cpu the forward, the logits and the grammar mask are
+compiled once with dynamic sizes by inductor (selection and the rest of sampling stay eager: one
+or a few ops each). ``enforce_eager`` skips compilation.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ class ModelRunner:
             vocab_size=self.config.vocab_size,
             token_buckets=token_buckets(self.max_num_batched_tokens, self.bucket_gap),
             request_buckets=request_buckets(self.max_num_seqs),
+            context_buckets=self.attention.context_buckets(self.batch.block_table.shape[1]),
             static_shapes=self.backend.static_shapes, seed=self.seed)
         c = self.config
         shapes = self.attention.cache_shapes(num_blocks, self.block_size, c.num_key_value_heads,
@@ -210,14 +211,14 @@ class ModelRunner:
         static = self.backend.static_shapes
         tokens, rows = p.token_bucket, p.rows
         meta = self.attention.metadata(p.layout, self.to_device)
-        hidden = self.forward_step(tokens if static else None,
+        hidden = self.forward_step((tokens, p.layout.context_blocks) if static else None,
                                    self.to_device(p.layout.input_ids, True),
                                    self.to_device(p.layout.positions, True), meta)  # [T, hidden]
         selected = self.select((tokens, rows) if static else None, hidden,
                                self.to_device(p.logits_index))  # [R, hidden]
         logits = self.logits(rows if static else None, selected)  # [R, vocab]
         s = p.sampling
-        key = (rows, s.use_top_k or s.use_top_p, p.num_logprobs,
+        key = (rows, s.all_greedy, s.use_top_k or s.use_top_p, p.num_logprobs,
                s.grammar_bitmask is not None) if static else None
         tensors = self.sampling_tensors(s)
         if static:

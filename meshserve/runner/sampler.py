@@ -6,9 +6,10 @@ CDF of the filtered distribution. So a seeded request gets the same tokens whate
 batch, across preemptions and chunked prefills, on every backend, and the sampling graph holds no
 random-number state a compiler would have to track.
 
-A compiling backend runs the general path (penalties and min-p always, a fixed number of
-logprobs), so only the rank filters and logprobs multiply its sampler graphs. Neutral values
-(top_k=0, top_p=1, min_p=0, no penalty) leave every token as the flag-free path picks it.
+A compiling backend runs either the argmax alone (every row greedy, no penalty) or the general
+path (penalties and min-p always, a fixed number of logprobs), so only that choice, the rank
+filters, logprobs and grammar masks multiply its sampler graphs. Neutral values (top_k=0,
+top_p=1, min_p=0, no penalty) leave every token as the flag-free path picks it.
 """
 
 from __future__ import annotations

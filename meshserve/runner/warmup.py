@@ -1,10 +1,12 @@
 """Warm-up: compile every program a runner's pieces can be asked for, before serving starts.
 
-On xla that is a finite set of static shapes: the forward per token bucket, the selection per
+On xla that is a finite set of static shapes: the forward per token bucket and context bucket
+(block-table width: one unless the attention cuts the table, see ``PaddedAttention``), the
+selection per
 (token bucket, reachable request bucket), the logits per request bucket, and sampling per request
-bucket with the rank filters on or off and logprobs on or off. On cpu the forward, the logits
-and the grammar mask are each compiled once for dynamic sizes, and proven general by a second call
-at unrelated sizes.
+bucket: greedy alone, general, or general with the rank filters, each with logprobs on or off
+and grammar masks on or off. On cpu the forward, the logits and the grammar mask are each
+compiled once for dynamic sizes, and proven general by a second call at unrelated sizes.
 Every call runs on padding (no request's tokens, writes into the null block), and each prints a
 progress line, so a long compilation is visibly alive.
 """
@@ -98,10 +100,11 @@ def _say(message: str) -> None:
     print(f"meshserve: {message}", file=sys.stderr, flush=True)
 
 
-def _padding_inputs(runner: Runner, tokens: int, seqs: int):
+def _padding_inputs(runner: Runner, tokens: int, seqs: int, context: int | None = None):
     """A step's device inputs that carry no request: ``seqs`` empty sequences, ``tokens``
-    padding tokens (the persistent batch's rows are only read, and are empty at warm-up)."""
-    layout = runner.inputs.layout(np.zeros(seqs, dtype=np.int32), padded=tokens)
+    padding tokens, a block table ``context`` blocks wide (the persistent batch's rows are only
+    read, and are empty at warm-up)."""
+    layout = runner.inputs.layout(np.zeros(seqs, dtype=np.int32), padded=tokens, context=context)
     meta = runner.attention.metadata(layout, runner.to_device)
     return runner.to_device(layout.input_ids, True), runner.to_device(layout.positions, True), meta
 
@@ -131,9 +134,12 @@ def _warm_up_static(runner: Runner) -> int:
              for r in reachable_request_buckets(inputs.request_buckets,
                                                 min(t, runner.max_num_batched_tokens))]
     rows = sorted({r for _, r in pairs})
-    # Rank filters on or off, logprobs on or off, grammar masks on or off.
-    samplers = list(itertools.product((False, True), (0, MAX_LOGPROBS), (False, True)))
-    progress = _Progress(2 * len(inputs.token_buckets) + len(pairs)
+    # Greedy alone, general, or general with the rank filters (inputs.py's three sampler
+    # graphs); logprobs on or off; grammar masks on or off.
+    samplers = list(itertools.product(((True, False), (False, False), (False, True)),
+                                      (0, MAX_LOGPROBS), (False, True)))
+    contexts = inputs.context_buckets
+    progress = _Progress(len(inputs.token_buckets) * (1 + len(contexts)) + len(pairs)
                          + len(rows) * (1 + len(samplers)))
     # Every compile gets inputs that no earlier compile has taken: on a mesh, torch_xla 2.9's
     # dynamo bridge builds a wrong program (garbage out, on every later call) from a tensor
@@ -141,30 +147,38 @@ def _warm_up_static(runner: Runner) -> int:
     # the logits gets them fresh from the program compiled just before (a rerun is cheap).
     selected = {}
     for t in inputs.token_buckets:
-        progress(f"forward, {t} tokens")
-        padding = _padding_inputs(runner, t, 0)
-        runner.forward_step(t, *padding, warm_up=True)
+        for c in contexts:
+            progress(f"forward, {t} tokens" + (f", {c} blocks of context" if len(contexts) > 1
+                                               else ""))
+            padding, key = _padding_inputs(runner, t, 0, c), (t, c)
+            runner.forward_step(key, *padding, warm_up=True)
         for r in (r for tt, r in pairs if tt == t):
             progress(f"last-token selection, {t} tokens x {r} requests")
-            selected[r] = runner.select.warm_up((t, r), runner.forward_step(t, *padding),
+            selected[r] = runner.select.warm_up((t, r), runner.forward_step(key, *padding),
                                                 runner.to_device(np.zeros(r, dtype=np.int64)))
         progress(f"prompt logprobs, {t} tokens")
         index, next_ids = (runner.to_device(np.zeros(t, dtype=np.int64)) for _ in range(2))
-        runner.prompt_logprobs.warm_up(t, runner.forward_step(t, *padding), index, next_ids,
+        runner.prompt_logprobs.warm_up(t, runner.forward_step(key, *padding), index, next_ids,
                                        MAX_LOGPROBS)
     nothing = np.zeros(0, dtype=np.int64)
     for r in rows:
         progress(f"logits, {r} requests")
         runner.logits.warm_up(r, selected[r])
-        arrays = inputs.sampling(nothing, nothing.astype(bool), r)
+        greedy = inputs.sampling(nothing, nothing.astype(bool), r)  # padding rows: greedy
+        general = replace(greedy, all_greedy=False, use_min_p=True,
+                          penalties=inputs.penalties(nothing, r))
         free = GrammarBitmask((), np.zeros((0, bitmask_words(inputs.vocab_size)), np.int32))
         bitmask, constrained = free.rows([], r)  # every row free: padding
-        for ranked, k, masked in samplers:
-            progress(f"sampling, {r} requests, {'with' if ranked else 'no'} top-k/top-p, "
-                     f"{'with' if k else 'no'} logprobs, {'with' if masked else 'no'} grammar")
-            variant = replace(arrays, use_top_k=ranked, use_top_p=ranked)
+        for (all_greedy, ranked), k, masked in samplers:
+            mode = ("greedy" if all_greedy else
+                    f"{'with' if ranked else 'no'} top-k/top-p")
+            progress(f"sampling, {r} requests, {mode}, {'with' if k else 'no'} logprobs, "
+                     f"{'with' if masked else 'no'} grammar")
+            variant = greedy if all_greedy else replace(general, use_top_k=ranked,
+                                                        use_top_p=ranked)
             if masked:
                 variant = replace(variant, grammar_bitmask=bitmask, grammar_rows=constrained)
-            runner.sample.warm_up((r, ranked, k, masked), runner.logits(r, selected[r]),
+            runner.sample.warm_up((r, all_greedy, ranked, k, masked),
+                                  runner.logits(r, selected[r]),
                                   runner.sampling_tensors(variant), k)
     return progress.total  # one program (or lazily traced graph) per call

@@ -35,11 +35,16 @@ class StepLayout:
     token_rows: np.ndarray  # [num_tokens] batch row of each real token
     query_start_loc: np.ndarray  # [n + 1] int64 first token of each row, then the total
     seq_lens: np.ndarray  # [n] int64 context length including this step's tokens
-    block_table: np.ndarray  # [n, max_blocks] int32
+    block_table: np.ndarray  # [n, context_blocks] int32, cut to a context bucket
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_rows)
+
+    @property
+    def context_blocks(self) -> int:
+        """The block table's width: a graph dimension of the forward on a static-shape backend."""
+        return self.block_table.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,12 @@ class AttentionBackend(ABC):
         """Shapes of one layer's cache tensors: keys and values, apart."""
         shape = (num_blocks, block_size, kv_heads, head_dim)
         return [shape, shape]
+
+    def context_buckets(self, max_blocks: int) -> list[int]:
+        """The block-table widths a step may be laid out at (the forward is compiled per width
+        on a static-shape backend). The whole row by default: the kernel reads as far as each
+        request's length says, whatever the width."""
+        return [max_blocks]
 
     def bind_cache(self, cache: KVCache) -> Any:
         """What a layer holds to reach its cache; its ``forward`` gets it back as ``kv_cache``.

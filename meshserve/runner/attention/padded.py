@@ -1,8 +1,11 @@
 """Attention for XLA without Pallas (e.g. the PJRT CPU client): static shapes, one graph per bucket.
 
-Every token attends over its request's whole block-table row, masked by position, so the graph
-depends on the token bucket only. It costs tokens x max_model_len keys per layer: a correct,
-compilable path for machines without a TPU, not a fast one.
+Every token attends over its request's block-table row, masked by position. The row is cut to a
+context bucket (``context_buckets``: 4, 16, 64, ... blocks) that covers the step's longest
+request, so the forward has one graph per (token bucket, context bucket) and a step costs tokens x
+its bucket's keys per layer, not tokens x max_model_len: the gather of those keys is most of a
+small model's step on XLA:CPU. A correct, compilable path for machines without a TPU, not a fast
+one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from meshserve.runner.attention.base import (AttentionBackend, AttentionMetadata, KVCache,
                                              StepLayout, ToDevice)
+from meshserve.runner import buckets
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,6 +71,9 @@ class PaddedMetadata(AttentionMetadata):
 @dataclass(frozen=True)
 class PaddedAttention(AttentionBackend):
     sliding_window: int | None
+
+    def context_buckets(self, max_blocks: int) -> list[int]:
+        return buckets.context_buckets(max_blocks)
 
     def metadata(self, layout: StepLayout, to_device: ToDevice) -> PaddedMetadata:
         tables = np.zeros((len(layout.positions), layout.block_table.shape[1]), dtype=np.int64)
