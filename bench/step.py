@@ -14,7 +14,8 @@ Three measurements, each variant in its own subprocess:
 
 These are CPU figures (xla = torch_xla's PJRT CPU client), not TPU figures.
 
-    .venv/bin/python bench/step.py [--steps 40] [--warm-up-devices cpu,xla] [--output bench/results/step.json]
+    .venv/bin/python bench/step.py [--steps 40] [--models narrow,smollm2] [--warm-up-devices cpu,xla]
+                                   [--output bench/results/step.json]
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--models", default="narrow,smollm2",
+                        help="models whose decode step is timed: narrow, smollm2 or both")
     parser.add_argument("--warm-up-devices", default="cpu,xla",
                         help="devices whose default-server warm-up is timed (empty: none)")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/step.json")
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(worker(json.loads(sys.stdin.read()))))
         return
     info, load_before = machine_info(), os.getloadavg()
-    results: dict[str, Any] = {"narrow": {}, "smollm2": {}, "warm_up": {}}
+    models = [m for m in ("narrow", "smollm2") if m in args.models.split(",")]
+    results: dict[str, Any] = {**{m: {} for m in models}, "warm_up": {}}
 
     def save() -> None:
         # After every measurement, so a run cut short keeps what it measured.
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         narrow = build_narrow_model(Path(tmp) / "narrow-llama")
         for name, (device, eager) in VARIANTS.items():
             for model, key in ((narrow, "narrow"), (None, "smollm2")):
+                if key not in models:
+                    continue
                 print(f"[step] {key} {name} ...", file=sys.stderr, flush=True)
                 results[key][name] = run({"kind": "decode", "model": model, "device": device,
                                           "eager": eager, "steps": args.steps})
@@ -152,12 +158,12 @@ def main(argv: list[str] | None = None) -> None:
                 save()
     bar_chart(args.output.with_suffix(".png"), list(VARIANTS),
               {key: [results[key][v]["step_ms"] for v in VARIANTS]
-               for key in ("narrow", "smollm2")},
+               for key in models},
               title=f"Decode step of {SEQUENCES} sequences, ms (CPU, {info['cpu_count']} cores, "
                     f"{info['cpu_model']}; xla = PJRT CPU)",
               ylabel="ms per step (median)")
     print(f"\nDecode step of {SEQUENCES} sequences, CPU figures ({info['cpu_model']})")
-    for key in ("narrow", "smollm2"):
+    for key in models:
         for name, r in results[key].items():
             print(f"{key:<8}{name:<14}{r['step_ms']:>9.2f} ms/step{r['host_ms']:>9.2f} ms host")
     for device, phases in results["warm_up"].items():
