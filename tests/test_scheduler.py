@@ -128,6 +128,22 @@ def test_input_batch_condense_keeps_rows_dense() -> None:
     assert list(batch.token_ids[row, :5]) == [0, 1, 2, 3, 4]
 
 
+def test_input_batch_rows_do_not_depend_on_the_order_requests_finish_in() -> None:
+    """Hosts of one replica get a step's finished requests as a set, iterated in a different
+    order in each process; a request admitted in the same step must land in the same row."""
+    layouts = []
+    for finished in (["r1", "r3"], ["r3", "r1"]):
+        batch = InputBatch(max_reqs=8, max_model_len=32, max_blocks_per_req=8)
+        for i in range(5):
+            batch.add(NewRequestData(f"r{i}", (i,), 1, SamplingParams(), 0, (i + 1,), 0))
+        for request_id in finished:
+            batch.remove(request_id)
+        batch.add(NewRequestData("new", (9,), 1, SamplingParams(), 0, (9,), 0))
+        batch.condense()
+        layouts.append(batch.req_ids[:batch.num_reqs])
+    assert layouts[0] == layouts[1] == ["r0", "new", "r2", "r4"]
+
+
 def tensors(rows: int, **overrides) -> SamplingTensors:
     base = dict(temperature=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.long),
                 top_p=torch.ones(rows), min_p=torch.zeros(rows),

@@ -7,6 +7,8 @@ new block). Finished requests leave holes; ``condense`` moves the last rows into
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from meshserve.contracts.sampling import SamplingParams
@@ -38,6 +40,9 @@ class InputBatch:
         self.num_reqs = 0
 
     def add(self, data: NewRequestData) -> int:
+        """Put a request in the lowest free row. The lowest, not the first freed: a step's
+        finished requests come as a set, whose order differs from process to process (string
+        hashing is salted per process), and every host of a replica must lay out the same rows."""
         row = self._holes.pop(0) if self._holes else self.num_reqs
         if row >= self.max_reqs:
             raise RuntimeError(f"input batch is full ({self.max_reqs} requests)")
@@ -74,12 +79,11 @@ class InputBatch:
             return
         self.req_ids[row] = None
         self.params[row] = None
-        self._holes.append(row)
+        bisect.insort(self._holes, row)
         self.num_reqs -= 1
 
     def condense(self) -> None:
-        """Fill holes with the last live rows so rows [0, num_reqs) are dense."""
-        self._holes.sort()
+        """Fill holes (kept sorted) with the last live rows so rows [0, num_reqs) are dense."""
         last = self.num_reqs + len(self._holes) - 1
         for hole in self._holes:
             while last > hole and self.req_ids[last] is None:
