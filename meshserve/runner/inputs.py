@@ -68,8 +68,8 @@ class PreparedStep:
         if self.prompt is not None:
             arrays["prompt_logprobs"] = (self.prompt.index, self.prompt.next_ids)
         parts = {name: _digest(values) for name, values in arrays.items()}
-        parts["program"] = (f"tokens={self.token_bucket} context={layout.context_blocks} "
-                            f"rows={self.rows} greedy={s.all_greedy} "
+        parts["program"] = (f"tokens={self.token_bucket} rows={self.rows} "
+                            f"context={layout.context_blocks} greedy={s.all_greedy} "
                             f"ranked={s.use_top_k or s.use_top_p} logprobs={self.num_logprobs} "
                             f"penalties={s.penalties is not None} "
                             f"grammar={s.grammar_bitmask is not None}")
