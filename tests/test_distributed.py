@@ -292,11 +292,23 @@ def test_start_host_serves_a_batch_job_and_streams(cluster, reference, tiny_llam
             list(completions[0].token_ids)
         with pytest.raises(ValueError, match="prompt: must not be empty"):
             ray.get(host.generate.remote([], GREEDY), timeout=60)
+        # A duplicate of a running id is refused and the running request goes on untouched. Both
+        # travel in one call: separate calls to an async actor may run in either order, and the
+        # first could also finish before the second arrives.
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        running = host.generate.remote(prompts[0], long, request_id="job-1")
-        with pytest.raises(ValueError, match="'job-1' is already in use"):
-            ray.get(host.generate.remote(prompts[1], GREEDY, request_id="job-1"), timeout=60)
-        assert len(ray.get(running, timeout=120).token_ids) == 200  # untouched by the refusal
+        channel = "duplicates"
+        deltas = host.outputs.options(num_returns="streaming").remote(channel)
+        errors = ray.get(host.submit.remote(channel, [
+            GenerateSpec("job-1", tuple(prompts[0]), long),
+            GenerateSpec("job-1", tuple(prompts[1]), GREEDY)]), timeout=60)
+        assert errors[0] is None and "'job-1' is already in use" in errors[1]
+        produced: list[int] = []
+        for ref in deltas:
+            batch = ray.get(ref, timeout=120)
+            produced += [t for d in batch for t in d.token_ids]
+            if batch[-1].finish_reason is not None:
+                break
+        assert len(produced) == 200
     finally:
         ray.kill(host)
 
