@@ -139,7 +139,10 @@ class OpenAIIngress:
         await asyncio.wait([self._info_task], timeout=wait_s)
         if not self._info_task.done():
             return None
-        if self._info_task.exception() is not None:  # ask again next time
+        # A failed question is asked again next time; so is a cancelled one: Serve cancels a
+        # handle call whose caller went away, and the first to ask may be a /health probe that
+        # gave up while this replica was starved of CPU by a warm-up on the same cores.
+        if self._info_task.cancelled() or self._info_task.exception() is not None:
             self._info_task = None
             return None
         return self._info_task.result()
