@@ -76,22 +76,27 @@ def measure(submit: Callable[[Any], Iterable[int]], prompts: list) -> list[Sampl
 
 
 def run_engine(config, prompts: list[list[int]], params) -> list[Sample]:
-    """Build an engine here and step it by hand in a thread of its own, exactly as a
-    ``HostActor`` does, so the other paths differ from this one only by their hops."""
+    """Build an engine and step it by hand in a thread of its own, built on the thread that
+    steps it exactly as a ``HostActor`` does, so the other paths differ from this one only by
+    their hops."""
     import torch
 
     from meshserve.engine.engine import EngineCore
 
-    torch.set_num_threads(os.cpu_count() or 1)  # as HostActor does
-    engine = EngineCore(config)
     samples: list[Sample] = []
 
-    def submit(prompt: list[int]) -> Iterable[int]:
-        engine.add_request(uuid.uuid4().hex, prompt, params)
-        while engine.has_unfinished:
-            yield sum(len(d.token_ids) for d in engine.step())
+    def serve() -> None:
+        torch.set_num_threads(os.cpu_count() or 1)  # as HostActor does
+        engine = EngineCore(config)
 
-    thread = threading.Thread(target=lambda: samples.extend(measure(submit, prompts)))
+        def submit(prompt: list[int]) -> Iterable[int]:
+            engine.add_request(uuid.uuid4().hex, prompt, params)
+            while engine.has_unfinished:
+                yield sum(len(d.token_ids) for d in engine.step())
+
+        samples.extend(measure(submit, prompts))
+
+    thread = threading.Thread(target=serve)
     thread.start()
     thread.join()
     return samples
