@@ -139,9 +139,9 @@ class OpenAIIngress:
         await asyncio.wait([self._info_task], timeout=wait_s)
         if not self._info_task.done():
             return None
-        # A failed question is asked again next time; so is a cancelled one: Serve cancels a
-        # handle call whose caller went away, and the first to ask may be a /health probe that
-        # gave up while this replica was starved of CPU by a warm-up on the same cores.
+        # A failed question is asked again next time, and so is a cancelled one: its
+        # .exception() raises CancelledError, a BaseException no route handler catches, so
+        # keeping it would fail every later request of this replica.
         if self._info_task.cancelled() or self._info_task.exception() is not None:
             self._info_task = None
             return None

@@ -80,7 +80,7 @@ class ServeSettings:
             try:
                 current = os.getpriority(os.PRIO_PROCESS, tid)
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, current + self.edge_nice))
-            except (ProcessLookupError, PermissionError):  # it ended meanwhile
+            except ProcessLookupError:  # it ended meanwhile
                 continue
 
     @classmethod
