@@ -110,7 +110,9 @@ class SchedulerConfig:
     """Continuous batching limits: a per-step token budget and a cap on running sequences."""
 
     max_num_seqs: int = setting("sequences an engine runs at once", 64)
-    max_num_batched_tokens: int = setting("tokens an engine computes per step", 1024)
+    max_num_batched_tokens: int | None = setting(
+        "tokens an engine computes per step (default: 2048 on the cpu device, as vLLM's CPU "
+        "server; 1024 on xla, where warm-up compiles every token bucket up to it)", None)
     max_model_len: int | None = setting(
         "longest sequence, prompt included (default: the model's own, capped at what the KV "
         "cache holds)", None)
@@ -120,7 +122,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                 "max_num_batched_tokens", "must be at least 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  "must be at least 2")
         _require(self.bucket_gap >= 0, "bucket_gap", "must be non-negative")

@@ -21,6 +21,14 @@ def all_blocks_free(llm: LLM) -> bool:
 PROMPTS = [[101, 2002, 303, 404], [555, 666], list(range(1000, 1040))]
 
 
+def test_token_budget_defaults_to_the_cpu_devices(llm: LLM) -> None:
+    # Unset, max_num_batched_tokens is the device's default (2048 on cpu), for the scheduler
+    # and the runner's buckets alike.
+    assert llm.engine.config.scheduler.max_num_batched_tokens is None
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 2048
+    assert llm.engine.runner.max_num_batched_tokens == 2048
+
+
 def test_seeded_sampling_reproduces_and_seeds_differ(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16,
                             ignore_eos=True)

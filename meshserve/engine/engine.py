@@ -60,9 +60,10 @@ class EngineCore:
         sched = config.scheduler
         model_max = self.loaded.config.max_position_embeddings
         self._wanted_len = min(sched.max_model_len or model_max, model_max)
+        self.token_budget = sched.max_num_batched_tokens or self.backend.default_token_budget
         self.runner = ModelRunner(
             self.loaded, self.backend, dtype, block_size=config.cache.block_size,
-            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=self.token_budget,
             max_positions=self._wanted_len, bucket_gap=sched.bucket_gap, seed=config.seed,
             enforce_eager=config.enforce_eager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
@@ -115,8 +116,9 @@ class EngineCore:
         self.runner.warm_up()  # compiles every program, so serving never does
         self.block_manager = BlockManager(num_blocks, block_size,
                                           self.config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(replace(self.config.scheduler,
-                                           max_model_len=self.max_model_len), self.block_manager)
+        self.scheduler = Scheduler(replace(self.config.scheduler, max_model_len=self.max_model_len,
+                                           max_num_batched_tokens=self.token_budget),
+                                   self.block_manager)
         self.prompt_limits = PromptLimits(self.max_model_len, self.loaded.config.vocab_size)
         logger.info("engine ready in %.1fs: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
                     time.perf_counter() - self._started, self.loaded.name, self.backend.name,

@@ -22,9 +22,12 @@ from meshserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the block manager."""
+    """Owns the waiting and running queues and the block manager. ``config`` comes resolved:
+    its token budget and max_model_len are numbers (``EngineCore`` fills the device defaults)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.max_num_batched_tokens is None or config.max_model_len is None:
+            raise ValueError("Scheduler needs max_num_batched_tokens and max_model_len set")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()

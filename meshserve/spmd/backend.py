@@ -54,6 +54,16 @@ class Backend:
         # it for the whole capture: dynamo reads the flag too.
         return None if self.name == "xla" else {"freezing": True}
 
+    @property
+    def default_token_budget(self) -> int:
+        """``max_num_batched_tokens`` when unset. A CPU step costs about the same per token
+        whether it is a prompt's or a decode's, so a larger budget finishes a burst of prompts in
+        fewer steps that each hold every running decode back once: on a 2-core EPYC (fp32,
+        32 streams) 2048 gave TPOT p50 186 ms against 246-258 ms at 1024, for a first token
+        about 3 s later. XLA compiles one program per token bucket at warm-up, so it keeps to
+        1024 (vLLM's defaults: 2048 for its CPU server, 1024 for a TPU v6e server)."""
+        return 1024 if self.name == "xla" else 2048
+
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         """The dtype this device computes natively, and why (``dtype="auto"``)."""
         if self.on_tpu:
