@@ -2,7 +2,10 @@
 a bare Ray Serve SSE deployment of the same engine adds.
 
 The same greedy requests (ignore_eos, one at a time, so nothing queues) go five ways, each on its
-own engine of the same model and settings, on a local Ray bound to 127.0.0.1:
+own engine of the same model and settings, on a local Ray bound to 127.0.0.1. Every path is up
+before the first request, and each prompt goes down every path in turn (the order rotating from
+prompt to prompt): on a shared VM the machine drifts within minutes by as much as the costs
+measured here, so paths measured one after another would compare the drift.
 
 - ``engine``: an ``EngineCore`` in this process, stepped by hand in a thread as a host actor
   steps its own: the floor.
@@ -32,12 +35,14 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
+import queue  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -70,54 +75,77 @@ def timed(submit: Callable[[], Iterable[int]]) -> Sample:
     return Sample(first - start, (last - first) / (count - 1), count)
 
 
-def measure(submit: Callable[[Any], Iterable[int]], prompts: list) -> list[Sample]:
-    timed(lambda: submit(prompts[0]))  # warm-up: first-call costs are not the steady state
-    return [timed(lambda p=p: submit(p)) for p in prompts]
+Submit = Callable[[int], Iterable[int]]  # request i of the run -> tokens per arrival
 
 
-def run_engine(config, prompts: list[list[int]], params) -> list[Sample]:
-    """Build an engine and step it by hand in a thread of its own, built on the thread that
-    steps it exactly as a ``HostActor`` does, so the other paths differ from this one only by
-    their hops."""
-    import torch
-
-    from meshserve.engine.engine import EngineCore
-
-    samples: list[Sample] = []
-
-    def serve() -> None:
-        torch.set_num_threads(os.cpu_count() or 1)  # as HostActor does
-        engine = EngineCore(config)
-
-        def submit(prompt: list[int]) -> Iterable[int]:
-            engine.add_request(uuid.uuid4().hex, prompt, params)
-            while engine.has_unfinished:
-                yield sum(len(d.token_ids) for d in engine.step())
-
-        samples.extend(measure(submit, prompts))
-
-    thread = threading.Thread(target=serve)
-    thread.start()
-    thread.join()
+def measure(paths: dict[str, Submit], count: int) -> dict[str, list[Sample]]:
+    """Request i goes down every path before request i + 1 does, starting at a different path
+    each time; one warm-up request per path first (first-call costs are not the steady state)."""
+    names = list(paths)
+    for name in names:
+        timed(lambda: paths[name](0))
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
+    for index in range(count):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timed(lambda: paths[name](index)))
     return samples
 
 
-def run_host_actor(config, prompts: list[list[int]], params) -> list[Sample]:
+class EngineThread:
+    """The floor: an engine built and stepped by hand in a thread of its own, exactly as a
+    ``HostActor`` builds and steps its engine, so the other paths differ from this one only by
+    their hops. Requests reach the thread through a queue."""
+
+    def __init__(self, config, params) -> None:
+        self.params = params
+        self.jobs: queue.Queue = queue.Queue()
+        built: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, args=(config, built), daemon=True).start()
+        failure = built.get()
+        if failure is not None:
+            raise failure
+
+    def _serve(self, config, built: queue.Queue) -> None:
+        import torch
+
+        from meshserve.engine.engine import EngineCore
+
+        torch.set_num_threads(os.cpu_count() or 1)  # as HostActor does
+        try:
+            engine = EngineCore(config)
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor to raise
+            built.put(exc)
+            return
+        built.put(None)
+        while True:
+            prompt, arrivals = self.jobs.get()
+            engine.add_request(uuid.uuid4().hex, prompt, self.params)
+            while engine.has_unfinished:
+                arrivals.put(sum(len(d.token_ids) for d in engine.step()))
+            arrivals.put(None)
+
+    def submit(self, prompt: list[int]) -> Iterable[int]:
+        arrivals: queue.Queue = queue.Queue()
+        self.jobs.put((prompt, arrivals))
+        while (count := arrivals.get()) is not None:
+            yield count
+
+
+def host_actor_path(config, params, stack: ExitStack) -> Callable[[list[int]], Iterable[int]]:
     import ray
 
     from meshserve.actors import start_host
 
     host = start_host(config)
+    stack.callback(ray.kill, host)
 
     def submit(prompt: list[int]) -> Iterable[int]:
         stream = host.generate_stream.options(num_returns="streaming").remote(prompt, params)
         for ref in stream:
             yield sum(len(d.token_ids) for d in ray.get(ref))
 
-    try:
-        return measure(submit, prompts)
-    finally:
-        ray.kill(host)
+    return submit
 
 
 class _Loop:
@@ -135,7 +163,8 @@ class _Loop:
                 return
 
 
-def run_engine_handle(settings, prompts: list[list[int]], params) -> list[Sample]:
+def engine_handle_path(settings, params,
+                       stack: ExitStack) -> Callable[[list[int]], Iterable[int]]:
     from ray import serve
 
     from meshserve.actors import GenerateSpec
@@ -143,6 +172,7 @@ def run_engine_handle(settings, prompts: list[list[int]], params) -> list[Sample
     from meshserve.deploy.client import EngineClient
 
     handle = serve.run(engine_deployment(settings), name="latency-engine", route_prefix=None)
+    stack.callback(serve.delete, "latency-engine")
     loop = _Loop()
     client = asyncio.run_coroutine_threadsafe(_make_client(EngineClient, handle), loop.loop)
     client = client.result()
@@ -152,10 +182,7 @@ def run_engine_handle(settings, prompts: list[list[int]], params) -> list[Sample
         for batch in loop.iterate(client.stream(spec)):
             yield sum(len(d.token_ids) for d in batch)
 
-    try:
-        return measure(submit, prompts)
-    finally:
-        serve.delete("latency-engine")
+    return submit
 
 
 async def _make_client(cls, handle):
@@ -176,12 +203,14 @@ def _sse_counts(url: str, body: dict) -> Iterable[int]:
                     yield 1
 
 
-def run_http(settings, texts: list[str], max_tokens: int, port: int) -> list[Sample]:
+def http_path(settings, max_tokens: int, port: int,
+              stack: ExitStack) -> Callable[[str], Iterable[int]]:
     from ray import serve
 
     from meshserve.deploy.app import build_app
 
     serve.run(build_app(settings), name="meshserve", route_prefix="/")
+    stack.callback(serve.delete, "meshserve")
     url = f"http://127.0.0.1:{port}/v1/completions"
 
     def submit(text: str) -> Iterable[int]:
@@ -189,28 +218,24 @@ def run_http(settings, texts: list[str], max_tokens: int, port: int) -> list[Sam
                                  "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                                  "stream": True})
 
-    try:
-        return measure(submit, texts)
-    finally:
-        serve.delete("meshserve")
+    return submit
 
 
-def run_bare_sse(settings, texts: list[str], max_tokens: int, port: int) -> list[Sample]:
+def bare_sse_path(settings, max_tokens: int, port: int,
+                  stack: ExitStack) -> Callable[[str], Iterable[int]]:
     """The reference: the engine inside one Serve deployment that answers with SSE itself."""
     from ray import serve
 
     deployment = serve.deployment(BareSSE, name="BareSSE",
                                   ray_actor_options={"num_cpus": settings.placement.host_num_cpus})
     serve.run(deployment.bind(settings.engine), name="bare", route_prefix="/bare")
+    stack.callback(serve.delete, "bare")
     url = f"http://127.0.0.1:{port}/bare"
 
     def submit(text: str) -> Iterable[int]:
         return _sse_counts(url, {"prompt": text, "max_tokens": max_tokens})
 
-    try:
-        return measure(submit, texts)
-    finally:
-        serve.delete("bare")
+    return submit
 
 
 class BareSSE:
@@ -299,19 +324,25 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
     load_before = os.getloadavg()  # other work on the machine shows up directly in the figures
-    results = {"engine": summarize(run_engine(config, prompts, params))}  # before Ray starts
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+    floor = EngineThread(config, params)
+    # Four engines and an ingress wait side by side, each reserving logical CPUs; only the
+    # request in flight computes, so Ray is told of more CPUs than the machine has.
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=16)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    try:
-        results["host actor"] = summarize(run_host_actor(config, prompts, params))
-        results["engine handle"] = summarize(run_engine_handle(settings, prompts, params))
-        results["meshserve http"] = summarize(run_http(settings, texts, args.max_tokens, port))
-        results["bare serve sse"] = summarize(run_bare_sse(settings, texts, args.max_tokens,
-                                                           port))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ExitStack() as stack:
+        stack.callback(ray.shutdown)
+        stack.callback(serve.shutdown)
+        by_ids = {"engine": floor.submit,
+                  "host actor": host_actor_path(config, params, stack),
+                  "engine handle": engine_handle_path(settings, params, stack)}
+        by_text = {"meshserve http": http_path(settings, args.max_tokens, port, stack),
+                   "bare serve sse": bare_sse_path(settings, args.max_tokens, port, stack)}
+        paths: dict[str, Submit] = {
+            **{name: (lambda i, f=f: f(prompts[i])) for name, f in by_ids.items()},
+            **{name: (lambda i, f=f: f(texts[i])) for name, f in by_text.items()}}
+        samples = measure(paths, len(prompts))
+    results = {path: summarize(samples[path]) for path in PATHS}
 
     base = results["engine"]
     added = {path: {"ttft_ms": round(r["ttft_ms"]["median"] - base["ttft_ms"]["median"], 2),
@@ -324,7 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         "machine": info,
         "config": {"model": settings.model_name(), "device": "cpu", "dtype": config.dtype,
                    "num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                   "concurrency": 1, "prompt_tokens": [len(p) for p in prompts]},
+                   "concurrency": 1, "order": "interleaved: request i down every path in turn",
+                   "prompt_tokens": [len(p) for p in prompts]},
         "load_average_1m": {"start": round(load_before[0], 2),
                             "end": round(os.getloadavg()[0], 2)},
         "paths": results,
