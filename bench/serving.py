@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +112,10 @@ def bench_server(server: Server, args: argparse.Namespace) -> Any:
         config = BenchConfig(url=server.url, model="unset", num_prompts=args.num_prompts,
                              concurrency=args.concurrency, stream=True,
                              max_tokens=args.max_tokens, seed=args.seed, timeout=args.timeout)
-        config = BenchConfig(**{**_fields(config), "model": asyncio.run(served_model(config))})
+        config = replace(config, model=asyncio.run(served_model(config)))
         return asyncio.run(run_benchmark(config))
     finally:
         server.stop()
-
-
-def _fields(config: Any) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
 def peer_server(args: argparse.Namespace, dtype: str, log: Path) -> Server:
