@@ -14,9 +14,12 @@ On the same prompts (64 synthetic completions x 64 tokens, EOS ignored, greedy):
 Every engine runs in the CPU's native dtype unless ``--dtype`` says otherwise. The three legs run
 ``--rounds`` times (3), each round starting one leg later than the last: on a shared VM the same
 leg drifts by more than the gaps measured here, so ratios are taken within a round and reported
-as medians over rounds. Writes ``bench/results/serving.json`` (every round's figures and ratios,
-their medians, and the requests of the median round) with that round's latency chart beside it,
-and ``serving_throughput.png`` (medians). CPU figures only.
+as medians over rounds. Each leg also records the CPU-seconds every kind of process spent while
+it ran (``process_cpu.py``: the engine, Serve's proxy and controller, the ingress, Ray's daemons,
+the client), which tells the edge's share from the engine's and shows the machine's drift.
+Writes ``bench/results/serving.json`` (every round's figures, ratios and CPU split, their medians,
+and the requests of the median round) with that round's latency chart beside it, and
+``serving_throughput.png`` (medians). CPU figures only.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import httpx
 
 from common import REPO_ROOT, bar_chart, machine_info, write_json
 from offline import export_hf_folder, native_dtypes
+from process_cpu import ProcessCpu
 
 MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
 _OFFLINE = """
@@ -50,12 +54,12 @@ params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 # skip any measured prefill.
 llm.generate(["Warm-up. " + p for p in prompts[:4]],
              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 outputs = llm.generate(prompts, params)
-elapsed = time.perf_counter() - start
+elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(json.dumps({"output_tokens": tokens, "elapsed_s": elapsed,
-                  "output_throughput": tokens / elapsed}))
+                  "output_throughput": tokens / elapsed, "cpu_s": round(cpu, 1)}))
 """
 
 
@@ -102,8 +106,9 @@ class Server:
         self.log.close()
 
 
-def bench_server(server: Server, args: argparse.Namespace) -> Any:
-    """Wait for ``server``, run the workload against the model it serves, stop it."""
+def bench_server(server: Server, args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+    """Wait for ``server``, run the workload against the model it serves, stop it; returns the
+    results and the CPU-seconds each kind of process spent while the workload ran."""
     from meshserve.benchmark.client import run_benchmark, served_model
     from meshserve.benchmark.results import BenchConfig
 
@@ -113,7 +118,9 @@ def bench_server(server: Server, args: argparse.Namespace) -> Any:
                              concurrency=args.concurrency, stream=True,
                              max_tokens=args.max_tokens, seed=args.seed, timeout=args.timeout)
         config = replace(config, model=asyncio.run(served_model(config)))
-        return asyncio.run(run_benchmark(config))
+        with ProcessCpu() as cpu:
+            results = asyncio.run(run_benchmark(config))
+        return results, cpu.by_kind
     finally:
         server.stop()
 
@@ -159,17 +166,18 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                logs: Path) -> list[dict[str, Any]]:
     """Every leg once per round; each round starts one leg later, so no leg always runs first
     (when the machine is freshest) or right after the same neighbour."""
-    def meshserve(index: int) -> Any:
+    def meshserve(index: int) -> tuple[Any, dict[str, float]]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
                          "--dtype", dtype], f"http://127.0.0.1:{args.port}",
                         logs / f"meshserve-{index}.log", dict(os.environ))
         return bench_server(server, args)
 
-    def peer(index: int) -> Any:
+    def peer(index: int) -> tuple[Any, dict[str, float]]:
         return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args)
 
-    def offline(index: int) -> dict:
-        return run_offline(prompts, args.max_tokens, args.concurrency, dtype)
+    def offline(index: int) -> tuple[dict, dict[str, float]]:
+        figures = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
+        return figures, {"LLM.generate": figures["cpu_s"]}
 
     legs = {"offline": offline, "meshserve": meshserve}
     if args.peer_python:
@@ -178,11 +186,12 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
     rounds = []
     for index in range(args.rounds):
         order = names[index % len(names):] + names[:index % len(names)]
-        measured: dict[str, Any] = {"order": order}
+        measured: dict[str, Any] = {"order": order, "cpu_s": {}}
         for name in order:
             print(f"round {index + 1}/{args.rounds}: {name}", flush=True)
-            measured[name] = legs[name](index + 1)
+            measured[name], measured["cpu_s"][name] = legs[name](index + 1)
             print(_one_line(name, measured[name]), flush=True)
+            print(f"    CPU-seconds: {_top_cpu(measured['cpu_s'][name])}", flush=True)
         rounds.append(measured)
     return rounds
 
@@ -195,6 +204,10 @@ def _one_line(name: str, measured: Any) -> str:
             f"ms, TPOT p50 {s['tpot_ms']['p50']:.0f} ms, {s['failed']} failed")
 
 
+def _top_cpu(by_kind: dict[str, float], count: int = 5) -> str:
+    return ", ".join(f"{kind} {seconds}" for kind, seconds in list(by_kind.items())[:count])
+
+
 def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     """One round in plain data: each leg's figures and the ratios within the round."""
     from meshserve.benchmark.report import compare
@@ -203,7 +216,8 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     record = {"order": measured["order"], "offline": measured["offline"],
               "meshserve": ours,
               "http_share_of_offline": round(ours["output_throughput"]
-                                             / measured["offline"]["output_throughput"], 3)}
+                                             / measured["offline"]["output_throughput"], 3),
+              "cpu_s": measured["cpu_s"]}
     if "peer" in measured:
         record["peer"] = measured["peer"].summary()
         record["against_peer"] = compare(measured["meshserve"], measured["peer"])
