@@ -62,12 +62,11 @@ def _snapshot() -> dict[int, tuple[str, float]]:
 
 class ProcessCpu:
     """``with ProcessCpu() as cpu: ...``; then ``cpu.by_kind`` holds CPU-seconds per process
-    kind over the block (largest first) and ``cpu.total_s`` their sum."""
+    kind over the block, largest first."""
 
     def __enter__(self) -> ProcessCpu:
         self._before = _snapshot()
         self.by_kind: dict[str, float] = {}
-        self.total_s = 0.0
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -77,6 +76,5 @@ class ProcessCpu:
             delta = seconds - self._before.get(pid, (kind, 0.0))[1]
             if delta > 0:
                 used[kind] = used.get(kind, 0.0) + delta
-        self.total_s = round(sum(used.values()), 1)
         self.by_kind = {kind: round(s, 1) for kind, s in
                         sorted(used.items(), key=lambda item: -item[1]) if s >= MIN_REPORTED_S}
