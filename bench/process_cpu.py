@@ -31,6 +31,8 @@ def process_kind(argv: list[str], comm: str) -> str:
         return first.split(".", 1)[0]
     program = Path(first).name
     if program.startswith(PYTHONS) and len(argv) > 1:
+        if argv[1] == "-c":  # its code is no name
+            return f"{program} -c"
         if "-m" in argv[1:-1]:
             return argv[argv.index("-m") + 1]
         script = next((a for a in argv[1:] if not a.startswith("-")), argv[1])
