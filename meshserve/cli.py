@@ -27,12 +27,18 @@ from meshserve.kuberay.cli import add_k8s_parser  # noqa: E402
 
 APP_NAME = "meshserve"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EDGES = ("ingress", "proxy")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    p.add_argument("--edge", choices=EDGES, default="ingress",
+                   help="what answers HTTP: ingress (every ingress replica listens on --host:--port "
+                        "itself, sharing it with SO_REUSEPORT: no proxy process in every token's "
+                        "path) or proxy (Ray Serve's HTTP proxy forwards every request and "
+                        "streamed chunk to an ingress replica, as on KubeRay) (default: ingress)")
     p.add_argument("--address", default=None,
                    help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -73,6 +79,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshserve serve: {exc}", file=sys.stderr)
         return 2
+    if not args.address:  # the server will listen on this machine: a clear error now, not a
+        # replica that fails to bind once the model has loaded
+        from meshserve.deploy.listener import listening_socket
+
+        try:
+            listening_socket(args.host, args.port, shared=False).close()
+        except OSError as exc:
+            print(f"meshserve serve: {exc.strerror}", file=sys.stderr)
+            return 2
     logging_config = quiet_logs(args.log_level)
     import ray
     from ray import serve
@@ -85,16 +100,17 @@ def run_serve(args: argparse.Namespace) -> int:
         # address="local": a cluster of its own, even when another runs on this machine.
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  logging_level=args.log_level.upper())
-    serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly",
-                logging_config=logging_config)
+    direct = args.edge == "ingress"
+    serve.start(http_options={"host": args.host, "port": args.port},
+                proxy_location="Disabled" if direct else "HeadOnly", logging_config=logging_config)
     url = f"http://{args.host}:{args.port}"
     print(f"meshserve: loading {settings.model_name()} and warming up...", flush=True)
     started = time.monotonic()
     try:
         # Returns once every replica has loaded and warmed up (Serve waits for their
         # constructors, without calling into the application).
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/",
-                  logging_config=logging_config)
+        serve.run(build_app(settings, (args.host, args.port) if direct else None), name=APP_NAME,
+                  route_prefix="/", logging_config=logging_config)
     except Exception as exc:  # noqa: BLE001 - report why the model did not come up
         print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
         serve.shutdown()

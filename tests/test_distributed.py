@@ -105,8 +105,9 @@ class App:
 
 @pytest.fixture(scope="module")
 def app(cluster, tiny_llama_dir: str):
-    """The whole application (ingress, three one-host engine replicas), as ``meshserve serve``
-    runs it; the Serve proxy listens on 127.0.0.1 only."""
+    """The whole application (ingress, three one-host engine replicas) behind Serve's proxy, as
+    ``serve run`` and KubeRay run it (``meshserve serve --edge proxy``); the proxy listens on
+    127.0.0.1 only."""
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     settings = _settings(tiny_llama_dir, num_replicas=3)

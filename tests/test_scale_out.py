@@ -1,6 +1,7 @@
 """No single process in the token path: two ingress replicas in front of two engine replicas.
 
-Every replica of either deployment carries traffic, and killing the process that routes (an ingress
+Both ingress replicas listen on the serve port themselves (no Serve proxy runs), every replica of
+either deployment carries traffic, and killing the process that routes (an ingress
 replica: routing runs in each caller's handle) under streaming load costs only the streams it
 carried: new requests are answered at once, no host actor is restarted or warms up again, and
 the sequences of the dead ingress are aborted on the engines, freeing every KV block.
@@ -52,6 +53,17 @@ def _sse_text(lines) -> tuple[str, bool]:
     return "".join(pieces), done
 
 
+def test_every_ingress_replica_listens_on_the_serve_port_and_no_proxy_runs(server) -> None:
+    port = int(server.url.rsplit(":", 1)[1])
+    listening = []
+    for pid in processes(server.process.pid, INGRESS):
+        sockets = psutil.Process(pid).net_connections(kind="tcp")
+        listening += [pid for s in sockets
+                      if s.status == psutil.CONN_LISTEN and s.laddr == ("127.0.0.1", port)]
+    assert len(set(listening)) == 2, listening
+    assert processes(server.process.pid, "ProxyActor") == []
+
+
 def test_64_streams_through_two_ingress_replicas_equal_their_twins(server) -> None:
     async def run() -> None:
         prompts = [f"Item {i}: {PROMPTS[i % len(PROMPTS)]} number {i * 7}" for i in range(64)]
@@ -74,7 +86,7 @@ def test_64_streams_through_two_ingress_replicas_equal_their_twins(server) -> No
             twins = await asyncio.gather(*(plain(p) for p in prompts))
         assert all(text for text, _ in streams)
         assert [text for text, _ in streams] == [text for text, _ in twins]
-        # Both ingress replicas carried streams (the proxy spreads requests over them).
+        # Both ingress replicas carried streams (the kernel spreads connections over them).
         ingresses = {replica for _, replica in streams}
         assert len(ingresses) == 2, ingresses
 

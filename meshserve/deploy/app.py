@@ -8,7 +8,9 @@ engine replicas go); nothing loads weights until Serve runs it.
 
 Two deployments: ``OpenAIIngress`` (``ingress_replicas`` replicas: HTTP, tokenizer, text) and
 ``Engine`` (``num_replicas`` engine replicas, each owning its hosts' placement group). Every handle
-to ``Engine`` routes with ``EngineRouter``, inside the caller's process.
+to ``Engine`` routes with ``EngineRouter``, inside the caller's process. HTTP reaches the ingress
+through Serve's proxy, or, given ``listen`` (``meshserve serve``), straight from the kernel: every
+ingress replica, all of them on the head node, listens on that address itself.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from ray.serve.config import RequestRouterConfig
 
 from meshserve.deploy.engine import EngineReplica
 from meshserve.deploy.engine_placement import engine_placement
-from meshserve.deploy.ingress import OpenAIIngress
+from meshserve.deploy.ingress import INGRESS_ACTOR_OPTIONS, OpenAIIngress
 from meshserve.deploy.routing import EngineRouter
 from meshserve.deploy.settings import ServeSettings
 
 ENGINE_DEPLOYMENT = "Engine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 ROUTING_STATS_PERIOD_S = 1.0  # how fresh every caller's view of other callers' load is
+# A resource only the head node has (Ray's own name for it): listening ingress replicas go where
+# Serve's proxy would have listened (``proxy_location="HeadOnly"``), at no cost to the node.
+HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 def engine_deployment(settings: ServeSettings) -> Application:
@@ -48,8 +53,16 @@ def engine_deployment(settings: ServeSettings) -> Application:
     return deployment.bind(settings, placement)
 
 
-def build_app(args: dict | None = None) -> Application:
-    """The ingress → engines application for ``ServeSettings.from_args(args)``."""
+def build_app(args: dict | ServeSettings | None = None,
+              listen: tuple[str, int] | None = None) -> Application:
+    """The ingress → engines application for ``ServeSettings.from_args(args)``.
+
+    ``listen``: ``(host, port)`` on which every ingress replica serves HTTP itself (start Serve
+    with ``proxy_location="Disabled"`` then); None: Serve's proxy serves it.
+    """
     settings = args if isinstance(args, ServeSettings) else ServeSettings.from_args(args)
-    return OpenAIIngress.options(num_replicas=settings.ingress_replicas).bind(
-        engine_deployment(settings), settings)
+    ingress = OpenAIIngress.options(num_replicas=settings.ingress_replicas)
+    if listen is not None:
+        ingress = ingress.options(ray_actor_options={**INGRESS_ACTOR_OPTIONS,
+                                                     "resources": HEAD_NODE})
+    return ingress.bind(engine_deployment(settings), settings, listen)

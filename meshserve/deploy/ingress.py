@@ -4,7 +4,8 @@ It validates requests (pydantic), renders chat templates, tokenizes, hands token
 replicas (``EngineClient``: its handle's ``EngineRouter`` picks a replica per sequence), and turns
 what comes back into OpenAI responses or server-sent events. It runs as several replicas
 (``ingress_replicas``), each with its own tokenizer and its own streams from the engines; none
-holds state another needs. Every error leaves in OpenAI's shape
+holds state another needs. Given a ``listen`` address (``meshserve serve`` does) each replica
+answers HTTP there itself (``IngressListener``); otherwise Serve's proxy passes requests in. Every error leaves in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500, and never
 carries a stack trace.
 """
@@ -32,6 +33,7 @@ from meshserve.contracts.structured import StructuredOutputError, StructuredOutp
 from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
 from meshserve.deploy.client import EngineClient
+from meshserve.deploy.listener import IngressListener
 from meshserve.deploy.logs import configure_process_logging
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.metrics import ServingMetrics
@@ -48,6 +50,7 @@ app = FastAPI(title="meshserve", docs_url=None, redoc_url=None)
 LOADED_WAIT_S = 2.0  # how long a request waits for the engines' first answer before a 503
 INFO_REASK_S = 15.0  # how long that first question may go unanswered before it is asked again
 REPLICA_HEADER = "x-meshserve-ingress"
+LISTENER_SHUTDOWN_S = 5.0  # responses in flight when a replica stops get this long to finish
 _UNION_TAG = re.compile(r"str|int|float|bool|[a-z_-]+\[.*\]|function-.*")
 
 
@@ -97,14 +100,16 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 # PJRT_DEVICE: the ingress never computes; torch_xla, which its imports load, must not look for
 # (or claim) an accelerator.
-@serve.deployment(name="OpenAIIngress", num_replicas=1,
-                  ray_actor_options={"num_cpus": 0,
-                                     "runtime_env": {"env_vars": {"PJRT_DEVICE": "CPU"}}},
+INGRESS_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": {"PJRT_DEVICE": "CPU"}}}
+
+
+@serve.deployment(name="OpenAIIngress", num_replicas=1, ray_actor_options=INGRESS_ACTOR_OPTIONS,
                   max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=0.5,
                   graceful_shutdown_timeout_s=10)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine, settings: ServeSettings) -> None:
+    def __init__(self, engine, settings: ServeSettings,
+                 listen: tuple[str, int] | None = None) -> None:
         configure_process_logging()
         settings.lower_priority()
         self.engine = EngineClient(engine)
@@ -121,6 +126,16 @@ class OpenAIIngress:
         self.metrics = ServingMetrics()
         self._info_task: asyncio.Task | None = None
         self._info_asked_at = 0.0
+        # Last: requests may arrive as soon as it listens.
+        self.listener = None if listen is None else IngressListener(app, *listen,
+                                                                    LISTENER_SHUTDOWN_S)
+
+    async def __del__(self) -> None:
+        # Serve calls (and awaits) this when it stops the replica; the constructor may not
+        # have got as far as the listener.
+        listener = getattr(self, "listener", None)
+        if listener is not None:
+            await listener.close()
 
     # ------------------------------------------------------------------ plumbing
     async def _loaded(self, wait_s: float) -> HostInfo | None:
