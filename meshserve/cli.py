@@ -111,6 +111,11 @@ def run_serve(args: argparse.Namespace) -> int:
         # constructors, without calling into the application).
         serve.run(build_app(settings, (args.host, args.port) if direct else None), name=APP_NAME,
                   route_prefix="/", logging_config=logging_config)
+    except KeyboardInterrupt:
+        print("meshserve: interrupted while loading; stopping", file=sys.stderr, flush=True)
+        serve.shutdown()
+        ray.shutdown()
+        return 130
     except Exception as exc:  # noqa: BLE001 - report why the model did not come up
         print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
         serve.shutdown()
