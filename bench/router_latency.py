@@ -12,10 +12,11 @@ measured here, so paths measured one after another would compare the drift.
 - ``host actor``: a ``HostActor`` called through Ray (``generate_stream``): the actor hop.
 - ``engine handle``: meshserve's ``Engine`` deployment through an ``EngineClient``, as the HTTP
   ingress calls it: the handle's ``EngineRouter``, ``submit``, the caller's one output stream.
-- ``meshserve http``: the whole application over HTTP (server-sent events): Serve's proxy, an
-  ingress replica (tokenizer, text, SSE) and an engine replica.
+- ``meshserve http``: the whole application over HTTP (server-sent events) as ``meshserve serve``
+  runs it: an ingress replica listening itself (tokenizer, text, SSE) and an engine replica.
+- ``meshserve via proxy``: the same behind Serve's proxy (``--edge proxy``, as on KubeRay).
 - ``bare serve sse``: one Serve deployment that owns the same engine in its process and streams
-  server-sent events from it, behind the same proxy: what serving this engine over Ray Serve HTTP
+  server-sent events from it, behind Serve's proxy: what serving this engine over Ray Serve HTTP
   costs at the least. meshserve's edge should add no more than it does.
 
 Per request it records the time to the first token or first text event (TTFT, from submission)
@@ -50,7 +51,8 @@ from typing import Any  # noqa: E402
 from common import REPO_ROOT, bar_chart, machine_info, write_json  # noqa: E402
 from offline import build_prompts  # noqa: E402
 
-PATHS = ("engine", "host actor", "engine handle", "meshserve http", "bare serve sse")
+PATHS = ("engine", "host actor", "engine handle", "meshserve http", "meshserve via proxy",
+         "bare serve sse")
 
 
 @dataclass(frozen=True)
@@ -203,14 +205,18 @@ def _sse_counts(url: str, body: dict) -> Iterable[int]:
                     yield 1
 
 
-def http_path(settings, max_tokens: int, port: int,
-              stack: ExitStack) -> Callable[[str], Iterable[int]]:
+def http_path(settings, max_tokens: int, port: int, stack: ExitStack,
+              listen: bool) -> Callable[[str], Iterable[int]]:
+    """The application on ``port``: its ingress listening there itself (``listen``), or behind
+    Serve's proxy, which listens there."""
     from ray import serve
 
     from meshserve.deploy.app import build_app
 
-    serve.run(build_app(settings), name="meshserve", route_prefix="/")
-    stack.callback(serve.delete, "meshserve")
+    name = "meshserve" if listen else "meshserve-proxied"
+    serve.run(build_app(settings, ("127.0.0.1", port) if listen else None), name=name,
+              route_prefix=None if listen else "/")
+    stack.callback(serve.delete, name)
     url = f"http://127.0.0.1:{port}/v1/completions"
 
     def submit(text: str) -> Iterable[int]:
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
 
     load_before = os.getloadavg()  # other work on the machine shows up directly in the figures
     floor = EngineThread(config, params)
-    # Four engines and an ingress wait side by side, each reserving logical CPUs; only the
+    # Five engines and two ingresses wait side by side, each reserving logical CPUs; only the
     # request in flight computes, so Ray is told of more CPUs than the machine has.
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=16)
     port = _free_port()
@@ -336,7 +342,10 @@ def main(argv: list[str] | None = None) -> None:
         by_ids = {"engine": floor.submit,
                   "host actor": host_actor_path(config, params, stack),
                   "engine handle": engine_handle_path(settings, params, stack)}
-        by_text = {"meshserve http": http_path(settings, args.max_tokens, port, stack),
+        by_text = {"meshserve http": http_path(settings, args.max_tokens, _free_port(), stack,
+                                               listen=True),
+                   "meshserve via proxy": http_path(settings, args.max_tokens, port, stack,
+                                                    listen=False),
                    "bare serve sse": bare_sse_path(settings, args.max_tokens, port, stack)}
         paths: dict[str, Submit] = {
             **{name: (lambda i, f=f: f(prompts[i])) for name, f in by_ids.items()},
@@ -365,14 +374,17 @@ def main(argv: list[str] | None = None) -> None:
         "meshserve_minus_bare_ms": {
             k: round(added["meshserve http"][k] - added["bare serve sse"][k], 3)
             for k in ("ttft_ms", "tpot_ms")},
+        "meshserve_via_proxy_minus_bare_ms": {
+            k: round(added["meshserve via proxy"][k] - added["bare serve sse"][k], 3)
+            for k in ("ttft_ms", "tpot_ms")},
     }
     write_json(args.output, report)
     chart = args.output.with_suffix(".png")
     plot(report, chart)
-    print(f"{'path':<16} {'TTFT ms':>9} {'TPOT ms':>9} {'+TTFT ms':>9} {'+TPOT ms':>9}")
+    print(f"{'path':<20} {'TTFT ms':>9} {'TPOT ms':>9} {'+TTFT ms':>9} {'+TPOT ms':>9}")
     for path in PATHS:
         r, a = results[path], added.get(path, {"ttft_ms": 0.0, "tpot_ms": 0.0})
-        print(f"{path:<16} {r['ttft_ms']['median']:>9.2f} {r['tpot_ms']['median']:>9.3f} "
+        print(f"{path:<20} {r['ttft_ms']['median']:>9.2f} {r['tpot_ms']['median']:>9.3f} "
               f"{a['ttft_ms']:>9.2f} {a['tpot_ms']:>9.3f}")
     print(f"meshserve http minus bare serve sse: {report['meshserve_minus_bare_ms']}")
     print(f"CPU figures; wrote {args.output} and {chart}")

@@ -7,7 +7,9 @@ On the same prompts (64 synthetic completions x 64 tokens, EOS ignored, greedy):
 1. **offline**: ``LLM.generate`` in its own process, with as many sequences in flight as the
    servers get (``max_num_seqs`` = the concurrency), the engine's own figure;
 2. **meshserve**: ``meshserve serve`` on 127.0.0.1, streamed through ``meshserve bench serve``'s
-   client at that concurrency;
+   client at that concurrency (its default edge: the ingress replica answers HTTP itself);
+   with ``--proxy-leg``, also **proxy**: the same server with ``--edge proxy`` (Ray Serve's proxy
+   in front of the ingress, as on KubeRay);
 3. **peer** (with ``--peer-python``): vLLM's OpenAI server from that venv, on a Hugging Face
    folder of the same weights, through the same client.
 
@@ -149,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rounds of every leg, the order rotating each round (a shared VM drifts "
                         "by more than the gaps measured; medians over rounds are reported)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--proxy-leg", action="store_true",
+                   help="also run meshserve behind Ray Serve's proxy (--edge proxy)")
     p.add_argument("--peer-python", help="python of a venv with vLLM's CPU build")
     p.add_argument("--peer-model", default=str(Path.home() / "models/smollm2-135m-instruct-hf"),
                    help="Hugging Face folder of the bundled model (written from the GGUF if absent)")
@@ -166,11 +170,14 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                logs: Path) -> list[dict[str, Any]]:
     """Every leg once per round; each round starts one leg later, so no leg always runs first
     (when the machine is freshest) or right after the same neighbour."""
-    def meshserve(index: int) -> tuple[Any, dict[str, float]]:
+    def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float]]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
-                         "--dtype", dtype], f"http://127.0.0.1:{args.port}",
-                        logs / f"meshserve-{index}.log", dict(os.environ))
+                         "--dtype", dtype, "--edge", edge], f"http://127.0.0.1:{args.port}",
+                        logs / f"meshserve-{edge}-{index}.log", dict(os.environ))
         return bench_server(server, args)
+
+    def proxy(index: int) -> tuple[Any, dict[str, float]]:
+        return meshserve(index, "proxy")
 
     def peer(index: int) -> tuple[Any, dict[str, float]]:
         return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args)
@@ -180,6 +187,8 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
         return figures, {"LLM.generate": figures["cpu_s"]}
 
     legs = {"offline": offline, "meshserve": meshserve}
+    if args.proxy_leg:
+        legs["proxy"] = proxy
     if args.peer_python:
         legs["peer"] = peer
     names = list(legs)
@@ -218,6 +227,10 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
               "http_share_of_offline": round(ours["output_throughput"]
                                              / measured["offline"]["output_throughput"], 3),
               "cpu_s": measured["cpu_s"]}
+    if "proxy" in measured:
+        record["proxy"] = measured["proxy"].summary()
+        record["proxy_share_of_offline"] = round(record["proxy"]["output_throughput"]
+                                                 / measured["offline"]["output_throughput"], 3)
     if "peer" in measured:
         record["peer"] = measured["peer"].summary()
         record["against_peer"] = compare(measured["meshserve"], measured["peer"])
@@ -252,10 +265,13 @@ def main(argv: list[str] | None = None) -> None:
     write_json(json_path, report)
 
     median = report["median"]
-    groups = ["meshserve offline", "meshserve HTTP"] + (["vLLM-CPU HTTP"] if args.peer_python
-                                                       else [])
-    values = [median["offline_throughput"], median["meshserve_throughput"]]
+    groups, values = ["meshserve offline", "meshserve HTTP"], [median["offline_throughput"],
+                                                               median["meshserve_throughput"]]
+    if args.proxy_leg:
+        groups.append("meshserve HTTP via Serve's proxy")
+        values.append(median["proxy_throughput"])
     if args.peer_python:
+        groups.append("vLLM-CPU HTTP")
         values.append(median["peer_throughput"])
     bar_chart(output.with_name(output.stem + "_throughput.png"), groups, {dtype: values},
               title=f"medians of {args.rounds} rounds: {args.num_prompts} streams x "
@@ -279,6 +295,9 @@ def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
     result = {"offline_throughput": mid([r["offline"]["output_throughput"] for r in records]),
               "meshserve_throughput": mid([r["meshserve"]["output_throughput"] for r in records]),
               "http_share_of_offline": mid([r["http_share_of_offline"] for r in records])}
+    if all("proxy" in r for r in records):
+        result["proxy_throughput"] = mid([r["proxy"]["output_throughput"] for r in records])
+        result["proxy_share_of_offline"] = mid([r["proxy_share_of_offline"] for r in records])
     if all("peer" in r for r in records):
         result["peer_throughput"] = mid([r["peer"]["output_throughput"] for r in records])
         for key in ("output_throughput", "ttft_p50", "tpot_p50"):
