@@ -11,7 +11,9 @@ On the same prompts (64 synthetic completions x 64 tokens, EOS ignored, greedy):
    with ``--proxy-leg``, also **proxy**: the same server with ``--edge proxy`` (Ray Serve's proxy
    in front of the ingress, as on KubeRay);
 3. **peer** (with ``--peer-python``): vLLM's OpenAI server from that venv, on a Hugging Face
-   folder of the same weights, through the same client.
+   folder of the same weights, through the same client; and **peer offline**: vLLM's ``LLM``
+   on the same prompts with ``max_num_seqs`` = the concurrency (``vllm_worker.py``), so the
+   peer's HTTP share of its own offline engine is measured beside meshserve's.
 
 Every engine runs in the CPU's native dtype unless ``--dtype`` says otherwise. The three legs run
 ``--rounds`` times (3), each round starting one leg later than the last: on a shared VM the same
@@ -34,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +66,25 @@ tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(json.dumps({"output_tokens": tokens, "elapsed_s": elapsed,
                   "output_throughput": tokens / elapsed, "cpu_s": round(cpu, 1)}))
 """
+
+
+def run_peer_offline(args: argparse.Namespace, prompts: list[str], dtype: str) -> dict:
+    """vLLM's ``LLM.generate`` on the prompts in the peer's venv (``vllm_worker.py``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_path, result_path = Path(tmp) / "prompts.json", Path(tmp) / "result.json"
+        prompts_path.write_text(json.dumps(prompts), encoding="utf-8")
+        done = subprocess.run([args.peer_python, str(Path(__file__).with_name("vllm_worker.py")),
+                               "--model", str(peer_folder(args)), "--dtype", dtype,
+                               "--prompts", str(prompts_path), "--max-tokens",
+                               str(args.max_tokens), "--max-num-seqs", str(args.concurrency),
+                               "--output", str(result_path)],
+                              capture_output=True, text=True, cwd=REPO_ROOT)
+        if done.returncode:
+            raise RuntimeError(f"the peer's offline run failed:\n{done.stderr[-3000:]}")
+        raw = json.loads(result_path.read_text(encoding="utf-8"))
+    tokens = sum(len(ids) for ids in raw["output_token_ids"])
+    return {"output_tokens": tokens, "elapsed_s": raw["elapsed_s"],
+            "output_throughput": tokens / raw["elapsed_s"]}
 
 
 def run_offline(prompts: list[str], max_tokens: int, concurrency: int, dtype: str) -> dict:
@@ -127,10 +149,16 @@ def bench_server(server: Server, args: argparse.Namespace) -> tuple[Any, dict[st
         server.stop()
 
 
-def peer_server(args: argparse.Namespace, dtype: str, log: Path) -> Server:
+def peer_folder(args: argparse.Namespace) -> Path:
+    """The Hugging Face folder the peer loads, written from the bundled GGUF the first time."""
     folder = Path(args.peer_model)
     if not (folder / "config.json").exists():
         export_hf_folder(folder)
+    return folder
+
+
+def peer_server(args: argparse.Namespace, dtype: str, log: Path) -> Server:
+    folder = peer_folder(args)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_HOST_IP="127.0.0.1")
@@ -186,11 +214,15 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
         figures = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
         return figures, {"LLM.generate": figures["cpu_s"]}
 
+    def peer_offline(index: int) -> tuple[dict, dict[str, float]]:
+        return run_peer_offline(args, prompts, dtype), {}  # its engine runs in a child process
+
     legs = {"offline": offline, "meshserve": meshserve}
     if args.proxy_leg:
         legs["proxy"] = proxy
     if args.peer_python:
         legs["peer"] = peer
+        legs["peer offline"] = peer_offline
     names = list(legs)
     rounds = []
     for index in range(args.rounds):
@@ -206,8 +238,8 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
 
 
 def _one_line(name: str, measured: Any) -> str:
-    if name == "offline":
-        return f"  offline: {measured['output_throughput']:.1f} tok/s"
+    if name in ("offline", "peer offline"):
+        return f"  {name}: {measured['output_throughput']:.1f} tok/s"
     s = measured.summary()
     return (f"  {name}: {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} "
             f"ms, TPOT p50 {s['tpot_ms']['p50']:.0f} ms, {s['failed']} failed")
@@ -234,6 +266,9 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     if "peer" in measured:
         record["peer"] = measured["peer"].summary()
         record["against_peer"] = compare(measured["meshserve"], measured["peer"])
+        record["peer_offline"] = measured["peer offline"]
+        record["peer_http_share_of_offline"] = round(
+            record["peer"]["output_throughput"] / measured["peer offline"]["output_throughput"], 3)
     return record
 
 
@@ -271,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         groups.append("meshserve HTTP via Serve's proxy")
         values.append(median["proxy_throughput"])
     if args.peer_python:
-        groups.append("vLLM-CPU HTTP")
-        values.append(median["peer_throughput"])
+        groups += ["vLLM-CPU offline", "vLLM-CPU HTTP"]
+        values += [median["peer_offline_throughput"], median["peer_throughput"]]
     bar_chart(output.with_name(output.stem + "_throughput.png"), groups, {dtype: values},
               title=f"medians of {args.rounds} rounds: {args.num_prompts} streams x "
                     f"{args.max_tokens} tokens, concurrency {args.concurrency}; "
@@ -300,6 +335,10 @@ def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
         result["proxy_share_of_offline"] = mid([r["proxy_share_of_offline"] for r in records])
     if all("peer" in r for r in records):
         result["peer_throughput"] = mid([r["peer"]["output_throughput"] for r in records])
+        result["peer_offline_throughput"] = mid([r["peer_offline"]["output_throughput"]
+                                                 for r in records])
+        result["peer_http_share_of_offline"] = mid([r["peer_http_share_of_offline"]
+                                                    for r in records])
         for key in ("output_throughput", "ttft_p50", "tpot_p50"):
             result[f"against_peer_{key}"] = mid([r["against_peer"][key] for r in records])
     return result

@@ -6,7 +6,7 @@ short generate, times one greedy generate of the prompts (EOS ignored) and write
 fields as the other workers: load and generate seconds, prompt token counts, output token ids.
 
     PEER/bin/python bench/vllm_worker.py --model DIR --dtype bfloat16 --prompts FILE.json
-        --max-tokens 64 --output RESULT.json
+        --max-tokens 64 [--max-num-seqs 32] --output RESULT.json
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--prompts", required=True, help="a JSON list of prompt strings")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences in flight (default: vLLM's own)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     for name, value in CPU_SETTINGS.items():
@@ -43,7 +45,8 @@ def main() -> None:
     with open(args.prompts, encoding="utf-8") as f:
         prompts = json.load(f)
     start = time.perf_counter()
-    llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=2048, seed=0)
+    limits = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=2048, seed=0, **limits)
     load_s = time.perf_counter() - start
     llm.generate(prompts[:4], vllm.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
