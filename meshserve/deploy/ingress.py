@@ -5,9 +5,9 @@ replicas (``EngineClient``: its handle's ``EngineRouter`` picks a replica per se
 what comes back into OpenAI responses or server-sent events. It runs as several replicas
 (``ingress_replicas``), each with its own tokenizer and its own streams from the engines; none
 holds state another needs. Given a ``listen`` address (``meshserve serve`` does) each replica
-answers HTTP there itself (``IngressListener``); otherwise Serve's proxy passes requests in. Every error leaves in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500, and never
-carries a stack trace.
+answers HTTP there itself (``IngressListener``); otherwise Serve's proxy passes requests in.
+Every error leaves in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; bad
+input is a 4xx, never a 500, and never carries a stack trace.
 """
 
 # No "from __future__ import annotations": FastAPI must see real types on the route methods.
