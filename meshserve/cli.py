@@ -35,10 +35,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     p.add_argument("--edge", choices=EDGES, default="ingress",
-                   help="what answers HTTP: ingress (every ingress replica listens on --host:--port "
-                        "itself, sharing it with SO_REUSEPORT: no proxy process in every token's "
-                        "path) or proxy (Ray Serve's HTTP proxy forwards every request and "
-                        "streamed chunk to an ingress replica, as on KubeRay) (default: ingress)")
+                   help="what answers HTTP: ingress (every ingress replica listens on "
+                        "--host:--port itself, sharing it with SO_REUSEPORT: no proxy process in "
+                        "every token's path) or proxy (Ray Serve's HTTP proxy forwards every "
+                        "request and streamed chunk to an ingress replica, as on KubeRay) "
+                        "(default: ingress)")
     p.add_argument("--address", default=None,
                    help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
