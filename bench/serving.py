@@ -47,6 +47,7 @@ import httpx
 from common import REPO_ROOT, bar_chart, machine_info, write_json
 from offline import export_hf_folder, native_dtypes
 from process_cpu import ProcessCpu
+from vllm_worker import CPU_SETTINGS
 
 MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
 _OFFLINE = """
@@ -159,9 +160,7 @@ def peer_folder(args: argparse.Namespace) -> Path:
 
 def peer_server(args: argparse.Namespace, dtype: str, log: Path) -> Server:
     folder = peer_folder(args)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_HOST_IP="127.0.0.1")
+    env = dict(os.environ, **CPU_SETTINGS)  # the same settings as its offline leg
     command = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(folder), "--host", "127.0.0.1", "--port", str(args.peer_port),
                "--max-model-len", "2048", "--dtype", dtype]
@@ -253,22 +252,21 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     """One round in plain data: each leg's figures and the ratios within the round."""
     from meshserve.benchmark.report import compare
 
+    def share(served: dict, offline: dict) -> float:
+        return round(served["output_throughput"] / offline["output_throughput"], 3)
+
     ours = measured["meshserve"].summary()
-    record = {"order": measured["order"], "offline": measured["offline"],
-              "meshserve": ours,
-              "http_share_of_offline": round(ours["output_throughput"]
-                                             / measured["offline"]["output_throughput"], 3),
+    record = {"order": measured["order"], "offline": measured["offline"], "meshserve": ours,
+              "http_share_of_offline": share(ours, measured["offline"]),
               "cpu_s": measured["cpu_s"]}
     if "proxy" in measured:
         record["proxy"] = measured["proxy"].summary()
-        record["proxy_share_of_offline"] = round(record["proxy"]["output_throughput"]
-                                                 / measured["offline"]["output_throughput"], 3)
+        record["proxy_share_of_offline"] = share(record["proxy"], measured["offline"])
     if "peer" in measured:
         record["peer"] = measured["peer"].summary()
         record["against_peer"] = compare(measured["meshserve"], measured["peer"])
         record["peer_offline"] = measured["peer offline"]
-        record["peer_http_share_of_offline"] = round(
-            record["peer"]["output_throughput"] / measured["peer offline"]["output_throughput"], 3)
+        record["peer_http_share_of_offline"] = share(record["peer"], measured["peer offline"])
     return record
 
 
