@@ -61,8 +61,7 @@ def build_app(args: dict | ServeSettings | None = None,
     with ``proxy_location="Disabled"`` then); None: Serve's proxy serves it.
     """
     settings = args if isinstance(args, ServeSettings) else ServeSettings.from_args(args)
-    ingress = OpenAIIngress.options(num_replicas=settings.ingress_replicas)
-    if listen is not None:
-        ingress = ingress.options(ray_actor_options={**INGRESS_ACTOR_OPTIONS,
-                                                     "resources": HEAD_NODE})
+    placed = {} if listen is None else {"resources": HEAD_NODE}
+    ingress = OpenAIIngress.options(num_replicas=settings.ingress_replicas,
+                                    ray_actor_options={**INGRESS_ACTOR_OPTIONS, **placed})
     return ingress.bind(engine_deployment(settings), settings, listen)
