@@ -64,6 +64,19 @@ def test_every_ingress_replica_listens_on_the_serve_port_and_no_proxy_runs(serve
     assert processes(server.process.pid, "ProxyActor") == []
 
 
+def test_serves_background_loops_run_at_the_calm_pace_on_its_own_ray(server) -> None:
+    # cli.py slows Serve's controller loop and the replicas' metrics export before its local Ray
+    # starts, so every process of that cluster runs with them.
+    from meshserve.cli import CALM_SERVE_ENV
+
+    pids = [*processes(server.process.pid, "ServeController"),
+            *processes(server.process.pid, INGRESS)]
+    assert len(pids) == 3, pids
+    for pid in pids:
+        env = psutil.Process(pid).environ()
+        assert {name: env.get(name) for name in CALM_SERVE_ENV} == CALM_SERVE_ENV, pid
+
+
 def test_64_streams_through_two_ingress_replicas_equal_their_twins(server) -> None:
     async def run() -> None:
         prompts = [f"Item {i}: {PROMPTS[i % len(PROMPTS)]} number {i * 7}" for i in range(64)]
