@@ -53,6 +53,14 @@ def test_chunked_prefill_with_32_token_budget(tiny_llama_dir: str, llama_referen
     llm = LLM(tiny_llama_dir, dtype="float32", device="cpu", max_num_batched_tokens=32,
               num_kv_blocks=512)
     assert tokens_of(llm.generate(prompts, GREEDY)) == expected
+    # One sequence alone: a step per 32-token prompt chunk, the last chunk sampling the first
+    # token, then a step per further token.
+    before = llm.engine.stats()
+    [one] = llm.generate([list(range(100, 170))], SamplingParams(max_tokens=4, ignore_eos=True))
+    after = llm.engine.stats()
+    assert len(one.outputs[0].token_ids) == 4
+    assert after.num_steps - before.num_steps == 3 + 3  # chunks 32 + 32 + 6, then 3 decodes
+    assert after.execute_seconds > before.execute_seconds
 
 
 def test_preemption_when_blocks_run_out(tiny_llama_dir: str, llama_reference) -> None:

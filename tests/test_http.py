@@ -199,5 +199,8 @@ def test_metrics_report_traffic(server) -> None:
         assert name in text
     assert m["meshserve_generation_tokens_total"] > 0
     assert m["meshserve_time_to_first_token_seconds_count"] > 0
+    # The engine's own step counters reach /metrics.
+    assert m["meshserve_engine_steps"] > 0
+    assert m["meshserve_engine_execute_seconds"] > 0
     assert json.loads(httpx.get(f"{server.url}/v1/models", timeout=30).text)["data"][0][
         "max_model_len"] == 512

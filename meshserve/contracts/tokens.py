@@ -37,3 +37,5 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
+    num_steps: int  # model steps this host ran
+    execute_seconds: float  # wall seconds those steps took, sampling included

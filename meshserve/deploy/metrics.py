@@ -41,6 +41,9 @@ class ServingMetrics:
                                       registry=r)
         self.prefix_hits = Gauge("meshserve_prefix_cache_hit_tokens", "Prompt tokens served "
                                  "from the prefix cache", registry=r)
+        self.steps = Gauge("meshserve_engine_steps", "Model steps the engines ran", registry=r)
+        self.execute_seconds = Gauge("meshserve_engine_execute_seconds", "Seconds the engines "
+                                     "spent running model steps, sampling included", registry=r)
 
     def started(self) -> None:
         self.in_flight.inc()
@@ -73,4 +76,6 @@ class ServingMetrics:
         self.total_blocks.set(total)
         self.kv_usage.set((total - free) / total if total else 0.0)
         self.prefix_hits.set(sum(e["prefix_cache_hit_tokens"] for e in engines))
+        self.steps.set(sum(e["num_steps"] for e in engines))
+        self.execute_seconds.set(sum(e["execute_seconds"] for e in engines))
         return generate_latest(self.registry)

@@ -67,6 +67,10 @@ class EngineCore:
             max_positions=self._wanted_len, bucket_gap=sched.bucket_gap, seed=config.seed,
             enforce_eager=config.enforce_eager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
+        # Steps run on this host and the seconds spent in them (EngineStats; /metrics): the
+        # engine's own time per step, to tell it from what serving adds around it.
+        self.num_steps = 0
+        self.execute_seconds = 0.0
         self.structured = StructuredOutputManager(self.loaded.tokenizer,
                                                   self.loaded.config.vocab_size, self.eos_token_ids)
         # What a request that leaves a sampling field unset gets (vLLM's --generation-config).
@@ -160,7 +164,11 @@ class EngineCore:
         """Run a step on this host's runner (followers of a multi-host replica call only this)."""
         if step.is_empty and not step.finished_request_ids:
             return RunnerOutput({})
-        return self.runner.execute(step)
+        start = time.perf_counter()
+        output = self.runner.execute(step)  # returns once the sampled tokens are on the host
+        self.execute_seconds += time.perf_counter() - start
+        self.num_steps += 1
+        return output
 
     def apply(self, step: SchedulerOutput, output: RunnerOutput) -> list[TokenDelta]:
         self.structured.accept(output, self.scheduler.requests)  # before update reads the grammars
@@ -191,4 +199,5 @@ class EngineCore:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            bm.num_free_blocks, bm.num_total_blocks, bm.usage,
                            bm.stats.queried_tokens, bm.stats.hit_tokens,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.num_steps,
+                           self.execute_seconds)
