@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,24 @@ import psutil
 READY_TIMEOUT_S = 300
 
 
+# The server binds its port half a minute after the test picks it. A port from the kernel's
+# ephemeral range (what binding port 0 gives) can be taken meanwhile by any socket the kernel
+# numbers itself, Ray's gRPC servers among them, and Ray gives its workers 10002-19999; ports
+# between the two are handed out by nobody but the tests.
+FIRST_TEST_PORT = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+        ephemeral_start = int(f.read().split()[0])
+    for port in random.sample(range(FIRST_TEST_PORT, ephemeral_start), 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FIRST_TEST_PORT}-{ephemeral_start - 1}")
 
 
 @dataclass

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import uuid
@@ -35,6 +34,7 @@ from meshserve.deploy.client import EngineClient, replica_lost
 from meshserve.deploy.load import ReplicaGone
 from meshserve.deploy.settings import ServeSettings
 from tests.local_cluster import tpu_nodes
+from tests.server import free_port
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
 slow = pytest.mark.slow
@@ -82,12 +82,6 @@ def _expected(llm: LLM, prompts: list[tuple[int, ...]], params: SamplingParams) 
     return [out.outputs[0].token_ids for out in llm.generate([list(p) for p in prompts], params)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class App:
     engine: serve.handle.DeploymentHandle
@@ -108,7 +102,7 @@ def app(cluster, tiny_llama_dir: str):
     """The whole application (ingress, three one-host engine replicas) behind Serve's proxy, as
     ``serve run`` and KubeRay run it (``meshserve serve --edge proxy``); the proxy listens on
     127.0.0.1 only."""
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     settings = _settings(tiny_llama_dir, num_replicas=3)
     # Returns once every replica has loaded and warmed up.
