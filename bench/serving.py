@@ -21,8 +21,13 @@ leg drifts by more than the gaps measured here, so ratios are taken within a rou
 as medians over rounds. Each leg also records the CPU-seconds every kind of process spent while
 it ran (``process_cpu.py``: the engine, Serve's proxy and controller, the ingress, Ray's daemons,
 the client), which tells the edge's share from the engine's and shows the machine's drift.
-Writes ``bench/results/serving.json`` (every round's figures, ratios and CPU split, their medians,
-and the requests of the median round) with that round's latency chart beside it, and
+meshserve's legs also record the engine steps the workload took and their mean time (the
+``meshserve_engine_steps`` / ``meshserve_engine_execute_seconds`` gauges of /metrics, the
+engine's own counters offline): both run the same schedule, so ``served_step_over_offline`` says
+how much slower a step runs inside the server.
+
+Writes ``bench/results/serving.json`` (every round's figures, ratios, CPU split and steps, their
+medians, and the requests of the median round) with that round's latency chart beside it, and
 ``serving_throughput.png`` (medians). CPU figures only.
 """
 
@@ -60,12 +65,16 @@ params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 # skip any measured prefill.
 llm.generate(["Warm-up. " + p for p in prompts[:4]],
              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+before = llm.engine.stats()
 start, cpu_start = time.perf_counter(), time.process_time()
 outputs = llm.generate(prompts, params)
 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+after = llm.engine.stats()
 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(json.dumps({"output_tokens": tokens, "elapsed_s": elapsed,
-                  "output_throughput": tokens / elapsed, "cpu_s": round(cpu, 1)}))
+                  "output_throughput": tokens / elapsed, "cpu_s": round(cpu, 1),
+                  "steps": after.num_steps - before.num_steps,
+                  "execute_s": after.execute_seconds - before.execute_seconds}))
 """
 
 
@@ -131,9 +140,11 @@ class Server:
         self.log.close()
 
 
-def bench_server(server: Server, args: argparse.Namespace) -> tuple[Any, dict[str, float]]:
+def bench_server(server: Server, args: argparse.Namespace
+                 ) -> tuple[Any, dict[str, float], dict[str, float] | None]:
     """Wait for ``server``, run the workload against the model it serves, stop it; returns the
-    results and the CPU-seconds each kind of process spent while the workload ran."""
+    results, the CPU-seconds each kind of process spent while the workload ran, and the engine
+    steps the workload took (``step_figures``; None for a server without meshserve's metrics)."""
     from meshserve.benchmark.client import run_benchmark, served_model
     from meshserve.benchmark.results import BenchConfig
 
@@ -143,11 +154,39 @@ def bench_server(server: Server, args: argparse.Namespace) -> tuple[Any, dict[st
                              concurrency=args.concurrency, stream=True,
                              max_tokens=args.max_tokens, seed=args.seed, timeout=args.timeout)
         config = replace(config, model=asyncio.run(served_model(config)))
+        before = engine_counters(server.url)
         with ProcessCpu() as cpu:
             results = asyncio.run(run_benchmark(config))
-        return results, cpu.by_kind
+        after = engine_counters(server.url)
+        steps = None
+        if before is not None and after is not None:
+            steps = step_figures(after[0] - before[0], after[1] - before[1])
+        return results, cpu.by_kind, steps
     finally:
         server.stop()
+
+
+def engine_counters(url: str) -> tuple[float, float] | None:
+    """The engines' steps and execute seconds so far, from meshserve's /metrics; None where the
+    server does not export them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    if response.status_code != 200:
+        return None
+    values = {sample.name: sample.value
+              for family in text_string_to_metric_families(response.text)
+              for sample in family.samples}
+    if "meshserve_engine_steps" not in values:
+        return None
+    return values["meshserve_engine_steps"], values["meshserve_engine_execute_seconds"]
+
+
+def step_figures(steps: float, execute_s: float) -> dict[str, float]:
+    """How many engine steps a leg took and how long one took on average: the served and the
+    offline engine run the same schedule, so a slower step is where the edge's cost lands."""
+    return {"steps": int(steps), "execute_s": round(execute_s, 3),
+            "step_ms": round(1000 * execute_s / steps, 2) if steps else None}
 
 
 def peer_folder(args: argparse.Namespace) -> Path:
@@ -197,24 +236,26 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                logs: Path) -> list[dict[str, Any]]:
     """Every leg once per round; each round starts one leg later, so no leg always runs first
     (when the machine is freshest) or right after the same neighbour."""
-    def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float]]:
+    def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float], Any]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
                          "--dtype", dtype, "--edge", edge], f"http://127.0.0.1:{args.port}",
                         logs / f"meshserve-{edge}-{index}.log", dict(os.environ))
         return bench_server(server, args)
 
-    def proxy(index: int) -> tuple[Any, dict[str, float]]:
+    def proxy(index: int) -> tuple[Any, dict[str, float], Any]:
         return meshserve(index, "proxy")
 
-    def peer(index: int) -> tuple[Any, dict[str, float]]:
+    def peer(index: int) -> tuple[Any, dict[str, float], Any]:
         return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args)
 
-    def offline(index: int) -> tuple[dict, dict[str, float]]:
+    def offline(index: int) -> tuple[dict, dict[str, float], dict[str, float]]:
         figures = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
-        return figures, {"LLM.generate": figures["cpu_s"]}
+        return (figures, {"LLM.generate": figures["cpu_s"]},
+                step_figures(figures["steps"], figures["execute_s"]))
 
-    def peer_offline(index: int) -> tuple[dict, dict[str, float]]:
-        return run_peer_offline(args, prompts, dtype), {}  # its engine runs in a child process
+    def peer_offline(index: int) -> tuple[dict, dict[str, float], None]:
+        # its engine runs in a child process: no CPU split, no step counters
+        return run_peer_offline(args, prompts, dtype), {}, None
 
     legs = {"offline": offline, "meshserve": meshserve}
     if args.proxy_leg:
@@ -226,12 +267,16 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
     rounds = []
     for index in range(args.rounds):
         order = names[index % len(names):] + names[:index % len(names)]
-        measured: dict[str, Any] = {"order": order, "cpu_s": {}}
+        measured: dict[str, Any] = {"order": order, "cpu_s": {}, "engine_steps": {}}
         for name in order:
             print(f"round {index + 1}/{args.rounds}: {name}", flush=True)
-            measured[name], measured["cpu_s"][name] = legs[name](index + 1)
+            measured[name], measured["cpu_s"][name], steps = legs[name](index + 1)
             print(_one_line(name, measured[name]), flush=True)
             print(f"    CPU-seconds: {_top_cpu(measured['cpu_s'][name])}", flush=True)
+            if steps is not None:
+                measured["engine_steps"][name] = steps
+                print(f"    engine: {steps['steps']} steps, {steps['step_ms']} ms a step",
+                      flush=True)
         rounds.append(measured)
     return rounds
 
@@ -258,7 +303,11 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     ours = measured["meshserve"].summary()
     record = {"order": measured["order"], "offline": measured["offline"], "meshserve": ours,
               "http_share_of_offline": share(ours, measured["offline"]),
-              "cpu_s": measured["cpu_s"]}
+              "cpu_s": measured["cpu_s"], "engine_steps": measured["engine_steps"]}
+    steps = measured["engine_steps"]
+    if steps.get("meshserve", {}).get("step_ms") and steps.get("offline", {}).get("step_ms"):
+        record["served_step_over_offline"] = round(
+            steps["meshserve"]["step_ms"] / steps["offline"]["step_ms"], 3)
     if "proxy" in measured:
         record["proxy"] = measured["proxy"].summary()
         record["proxy_share_of_offline"] = share(record["proxy"], measured["offline"])
@@ -327,7 +376,9 @@ def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
 
     result = {"offline_throughput": mid([r["offline"]["output_throughput"] for r in records]),
               "meshserve_throughput": mid([r["meshserve"]["output_throughput"] for r in records]),
-              "http_share_of_offline": mid([r["http_share_of_offline"] for r in records])}
+              "http_share_of_offline": mid([r["http_share_of_offline"] for r in records]),
+              "served_step_over_offline": mid([r.get("served_step_over_offline")
+                                               for r in records])}
     if all("proxy" in r for r in records):
         result["proxy_throughput"] = mid([r["proxy"]["output_throughput"] for r in records])
         result["proxy_share_of_offline"] = mid([r["proxy_share_of_offline"] for r in records])
