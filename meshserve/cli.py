@@ -130,7 +130,11 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     drain(args.drain_timeout)
-    serve.shutdown()
+    if args.address:  # a cluster of someone else's: take Serve off it, leave the cluster up
+        serve.shutdown()
+    # Otherwise the cluster is this process's own, and every Serve process ends with it. Serve's
+    # shutdown would add nothing once drained but two warnings on the console: its controller
+    # kills itself while calls to it, which Ray retries, are still out.
     ray.shutdown()
     return 0
 
