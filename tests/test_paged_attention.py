@@ -1,8 +1,9 @@
 """The cpu backend's C++ paged attention kernel against the pure-torch reference.
 
 Mixed steps (chunked prefills over cached context, decodes, idle sequences) with lengths at and
-around block boundaries, grouped-query heads, sliding windows, the kernel's register-tiled path and
-its generic path (head and block sizes that are not multiples of 16), fp32 to 1e-5. The cache is
+around block boundaries, grouped-query heads, sliding windows, the kernel's register-tiled path,
+its generic path (head and block sizes that are not multiples of 16) and whole prompts (its
+scaled_dot_product_attention path), fp32 to 1e-5. The cache is
 written in place, and a compiled forward never takes it as an input.
 """
 
@@ -42,6 +43,9 @@ STEPS = [
     ([5, 1, 40, 0, 1, 17], [5, 20, 40, 9, 200, 33]),
     # a prefill chunk that starts mid-block and ends on a boundary, a 1-token prefill
     ([16, 33, 1], [48, 33, 1]),
+    # whole prompts (no cached context) at the kernel's 16-token threshold and over several
+    # blocks, which go to torch's scaled_dot_product_attention, beside a decode and a short one
+    ([16, 1, 64, 15], [16, 50, 64, 15]),
 ]
 
 
