@@ -96,7 +96,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors, num_logprobs: int,
         processed.index_put_((t.grammar_index,), masked)
     elif t.grammar_bitmask is not None:
         processed = apply_grammar_bitmask(processed, t.grammar_bitmask, t.grammar_rows)
-    greedy = processed.argmax(dim=-1)
+    # max's indices are argmax's (the first of equal maxima), and on CPU take 0.4-0.5 ms for
+    # [32, 49152] logits where argmax takes 1.0-2.5 ms.
+    greedy = processed.max(dim=-1).indices
     if t.all_greedy:
         tokens = greedy
     else:
