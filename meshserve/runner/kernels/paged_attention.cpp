@@ -4,9 +4,7 @@
 // (through the slot mapping) and attends every query token over its sequence's cached context
 // (through the block table), reading the blocks where they are: no gathered copy of K/V, and
 // grouped-query attention without repeating KV heads (the query heads of one KV head share every
-// key and value load). A prompt whose context is all in the step (a first chunk with no cached
-// prefix) is attended by torch's scaled_dot_product_attention on the step's own keys and values
-// instead (attend_fresh).
+// key and value load).
 //
 // Cache layout, per layer: keys [num_blocks, kv_heads, head_dim, block_size] (a block's keys
 // transposed, so the scores of 16 keys are one vector FMA per head dimension) and values
@@ -199,36 +197,6 @@ void rows_block(int64_t count, const float* const* q, const float* keys, const f
   }
 }
 
-// A prompt whose whole context is this step's tokens (no cached prefix, not a later chunk), long
-// enough to be a matrix product: attend_fresh takes it.
-inline bool is_fresh_prefill(int64_t q_len, int64_t seq_len) {
-  return q_len >= kQueryTile && seq_len == q_len;
-}
-
-// Fresh prefills attend over this step's own keys and values, which lie contiguous in `key` and
-// `value`, so they need no block table: torch's causal scaled_dot_product_attention does them as
-// matrix products (AMX where the CPU has it), 1.6x faster than the tiled loop below on a step of
-// twelve prompts (2-core Xeon, bf16). One sequence at a time, each call parallel inside. Callers
-// skip them for sliding windows.
-void attend_fresh(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                  at::Tensor& out) {
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < seq_lens.size(0); ++s) {
-    const int64_t start = starts[s], q_len = starts[s + 1] - start;
-    if (!is_fresh_prefill(q_len, lens[s])) continue;
-    // [L, heads, D] -> [1, heads, L, D]
-    auto heads_first = [&](const at::Tensor& t) {
-      return t.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
-    };
-    const at::Tensor attended = at::scaled_dot_product_attention(
-        heads_first(query), heads_first(key), heads_first(value), /*attn_mask=*/{},
-        /*dropout_p=*/0.0, /*is_causal=*/true, scale, /*enable_gqa=*/true);
-    out.narrow(0, start, q_len).copy_(attended.squeeze(0).transpose(0, 1));
-  }
-}
-
 template <typename scalar_t>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -249,11 +217,10 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t block_elems = block_size * dim;
 
-  // Work items: (sequence, kv head, tile of query tokens), for the sequences attend_fresh left.
+  // Work items: (sequence, kv head, tile of query tokens).
   std::vector<int64_t> item_seq, item_tile;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
-    if (window == 0 && is_fresh_prefill(q_len, lens[s])) continue;
     for (int64_t tile = 0; tile < q_len; tile += kQueryTile) {
       item_seq.push_back(s);
       item_tile.push_back(tile);
@@ -342,7 +309,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   auto out = at::zeros_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     write_kv<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
-    if (window == 0) attend_fresh(query, key, value, query_start_loc, seq_lens, scale, out);
     attend<scalar_t>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                      window, out);
   });
