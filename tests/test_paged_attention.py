@@ -18,12 +18,35 @@ from tests.paged_reference import mixed_step, reference_paged_attention
 
 def to_kernel_layout(k_logical: torch.Tensor, v_logical: torch.Tensor):
     """Logical [N, B, Hkv, D] caches as the kernel keeps them: keys [N, Hkv, D, B], values
-    [N, Hkv, B, D]."""
-    return (k_logical.permute(0, 2, 3, 1).contiguous(), v_logical.permute(0, 2, 1, 3).contiguous())
+    [N, Hkv, B, D], each block paired in memory where the kernel pairs this dtype and shape."""
+    keys, values = k_logical.permute(0, 2, 3, 1), v_logical.permute(0, 2, 1, 3)
+    if paired(k_logical):
+        return pair_rows(keys).view(keys.shape), pair_rows(values).view(values.shape)
+    return keys.contiguous(), values.contiguous()
 
 
 def from_kernel_layout(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The kernel's caches back in the logical [N, B, Hkv, D] layout."""
+    if paired(k_cache.permute(0, 3, 1, 2)):
+        k_cache, v_cache = unpair_rows(k_cache), unpair_rows(v_cache)
     return k_cache.permute(0, 3, 1, 2), v_cache.permute(0, 2, 1, 3)
+
+
+def paired(logical: torch.Tensor) -> bool:
+    _, block_size, _, head_dim = logical.shape
+    return ops.paired_blocks(logical.dtype, head_dim, block_size)
+
+
+def pair_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., R, C] -> [..., R / 2, C, 2]: rows 2j and 2j + 1 interleaved."""
+    *lead, rows, cols = blocks.shape
+    return blocks.reshape(*lead, rows // 2, 2, cols).transpose(-1, -2).contiguous()
+
+
+def unpair_rows(paired_blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pair_rows``, read from a cache whose shape is still [..., R, C]."""
+    *lead, rows, cols = paired_blocks.shape
+    return paired_blocks.view(*lead, rows // 2, cols, 2).transpose(-1, -2).reshape(*lead, rows, cols)
 
 
 def run_kernel(layout: StepLayout, q, k, v, k_cache, v_cache, scale: float, window: int | None):
@@ -79,16 +102,25 @@ def test_generic_shapes_equal_reference(block: int, dim: int) -> None:
     torch.testing.assert_close(got[:n], want[:n], rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_cache_is_read_in_place_with_fp32_arithmetic() -> None:
-    q_lens, seq_lens = STEPS[1]
+@pytest.mark.parametrize("q_lens, seq_lens", STEPS)
+@pytest.mark.parametrize("window", [None, 24])
+def test_bfloat16_cache_is_written_and_read_in_place(q_lens, seq_lens, window) -> None:
+    """bf16 takes the AMX tiles (and a paired cache) where the CPU has them, fp32 arithmetic
+    elsewhere; either way it agrees with the float64 reference to bf16's precision."""
     layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=16, blocks=64, heads=8,
                                                  kv_heads=2, dim=64, dtype=torch.bfloat16)
-    want, _, _ = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125, None)
+    want, want_k, want_v = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125,
+                                                     window)
     k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
-    got = run_kernel(layout, q, k, v, k_cache, v_cache, 0.125, None)
+    got = run_kernel(layout, q, k, v, k_cache, v_cache, 0.125, window)
     n = layout.num_tokens
-    # The reference rounds its float64 result once; the kernel rounds its fp32 result once.
+    # The reference rounds its float64 result once; the kernel its fp32 sums (and, on tiles, the
+    # probabilities it multiplies the values by).
     torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=2e-2, atol=2e-2)
+    assert torch.count_nonzero(got[n:]) == 0
+    got_k, got_v = from_kernel_layout(k_cache, v_cache)
+    torch.testing.assert_close(got_k[1:], want_k[1:], rtol=0, atol=0)
+    torch.testing.assert_close(got_v[1:], want_v[1:], rtol=0, atol=0)
 
 
 def test_cache_is_not_an_input_of_a_compiled_forward() -> None:

@@ -38,6 +38,8 @@ class PagedCpuAttention(AttentionBackend):
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int,
                      head_dim: int) -> list[tuple[int, ...]]:
         # Keys transposed within a block, so the kernel scores 16 keys per vector instruction.
+        # bf16 on a CPU with AMX keeps the same shapes but pairs each block's memory for the tile
+        # instructions (``kernels.ops.paired_blocks``).
         return [(num_blocks, kv_heads, head_dim, block_size),
                 (num_blocks, kv_heads, block_size, head_dim)]
 

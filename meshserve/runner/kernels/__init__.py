@@ -26,6 +26,7 @@ import torch
 logger = logging.getLogger("meshserve.kernels")
 
 _SOURCES = ("paged_attention.cpp",)
+_HEADERS = ("row_state.h", "float_rows.h", "tile_rows.h")
 _LIBRARY = "meshserve_cpu_kernels"
 _lock = threading.Lock()
 _loaded = False
@@ -41,7 +42,7 @@ def _build_key() -> str:
     """Sources, torch and the CPU's instruction set: a change to any of them needs a new build."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for name in _SOURCES:
+    for name in _SOURCES + _HEADERS:
         digest.update((here / name).read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())

@@ -45,6 +45,15 @@ def _cache(cache_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
+def paired_blocks(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel keeps a cache of this dtype and shape paired on this machine (bf16 on a
+    CPU with AMX): each block's keys as ``[head_dim / 2, block_size, 2]`` and its values as
+    ``[block_size / 2, head_dim, 2]`` within the tensors' memory. Only code that reads a cache's
+    contents (tests) needs to know; the tensors' shapes are the same either way."""
+    kernels.load()
+    return torch.ops.meshserve_cpu.paired_blocks(dtype, head_dim, block_size)
+
+
 @torch.library.custom_op("meshserve::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor,

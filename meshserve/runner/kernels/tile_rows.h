@@ -1,0 +1,180 @@
+// bf16 attention on AMX tiles: TileRows, which reads blocks kept paired (keys [D/2, B, 2], values
+// [B/2, D, 2]: the tile instructions' operand layout, written so by the kernel's write_kv).
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "row_state.h"
+
+namespace meshserve_attention {
+
+// exp(x) for x in [-87, 0] (clamped there): 2^n * e^r with |r| <= ln2 / 2 and a degree-6 Taylor
+// polynomial, relative error below 2e-7. One fixed sequence of instructions, so it gives the same
+// bits wherever a row is computed.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_setzero_ps());
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);  // and the rest
+  __m512 poly = _mm512_set1_ps(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) {
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(poly, n);
+}
+
+// Folds one row's dot products p [B] (scaled here, in place), visible over [lo, hi], into its
+// running softmax: writes the
+// block's probabilities, rounded to bf16, to pb [B] (0 where masked) and returns the factor the
+// row's value sums are rescaled by. A block the row cannot see changes nothing.
+inline float fold_pairs(float* p, float scale, int64_t block_size, int64_t lo, int64_t hi,
+                        RowState& row, uint16_t* pb) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i first = _mm512_set1_epi32(static_cast<int>(lo));
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(hi));
+  const auto visible = [&](int64_t i0) {
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i0)));
+    return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(key, first) &
+                                  _mm512_cmple_epi32_mask(key, last));
+  };
+  __m512 block_max = _mm512_set1_ps(-kHuge);
+  for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
+    const __m512 scores = _mm512_mul_ps(_mm512_loadu_ps(p + i0), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(p + i0, scores);
+    block_max = _mm512_mask_max_ps(block_max, visible(i0), block_max, scores);
+  }
+  const float new_max = std::max(row.max, _mm512_reduce_max_ps(block_max));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
+    const __m512 e = _mm512_maskz_mov_ps(
+        visible(i0), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + i0), _mm512_set1_ps(new_max))));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i0), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  const float correction =
+      _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(row.max - new_max)));
+  row.max = new_max;
+  row.sum = row.sum * correction + _mm512_reduce_add_ps(sum);
+  return correction;
+}
+
+// The AMX tile state is off until a process asks Linux for it; false where the kernel refuses.
+inline bool amx_permitted() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;  // XFEATURE_XTILEDATA
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return permitted;
+}
+
+// ldtilecfg's 64-byte operand (palette 1): bytes per row and rows of each tile register.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// bf16 queries and caches on AMX: for each 16 query rows, the scores of 16 keys are one tile
+// product per 32 head dimensions (queries [16, 32] times the keys paired over D), and the value
+// sums one product per 16 keys and 16 head dimensions (probabilities [16, 16] times the values
+// paired over keys). The softmax stays in AVX-512 between the two. Products of two bf16 values
+// are exact in fp32; the probabilities are rounded to bf16 for the value sums, as flash attention
+// does. Every row's arithmetic is its own and in a fixed order (a tile's rows do not mix), so a
+// row's result depends on neither the tile nor the step it came in. One object per thread: it
+// holds that thread's tile configuration until it is destroyed.
+class TileRows {
+ public:
+  TileRows(int64_t rows_max, int64_t dim, int64_t block_size, float scale)
+      : dim_(dim), block_size_(block_size), scale_(scale),
+        q_((rows_max + kTile - 1) / kTile * kTile * dim), scores_(kTile * block_size),
+        probs_(kTile * block_size), sums_(kTile * dim) {
+    TileConfig config;
+    for (const int t : {kScores, kQuery, kKeys, kValueSums}) {
+      config.colsb[t] = 64;
+      config.rows[t] = kTile;
+    }
+    config.colsb[kProbs] = kTile * 2;  // 16 keys of bf16
+    config.rows[kProbs] = kTile;
+    config.colsb[kValues] = 64;
+    config.rows[kValues] = kTile / 2;  // 8 pairs of keys
+    _tile_loadconfig(&config);
+  }
+  ~TileRows() { _tile_release(); }  // so the kernel need not save 8 KB of tiles at every switch
+  TileRows(const TileRows&) = delete;
+  TileRows& operator=(const TileRows&) = delete;
+
+  static bool fits(int64_t dim, int64_t block_size) {
+    return dim % (2 * kTile) == 0 && block_size % kTile == 0 && amx_permitted();
+  }
+
+  void load_row(int64_t r, const c10::BFloat16* src) {
+    std::copy(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<const uint16_t*>(src) + dim_,
+              q_.data() + r * dim_);
+  }
+
+  void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t rows, const int64_t* lo,
+             const int64_t* hi, RowState* state) {
+    const int64_t B = block_size_, D = dim_;
+    const uint16_t* keys = reinterpret_cast<const uint16_t*>(k);  // [D/2, B, 2]
+    const uint16_t* values = reinterpret_cast<const uint16_t*>(v);  // [B/2, D, 2]
+    float correction[kTile];
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {  // rows past the end hold stale, finite data
+      const int64_t n = std::min(kTile, rows - r0);
+      for (int64_t i0 = 0; i0 < B; i0 += kTile) {  // scores [16, 16]: rows x keys
+        _tile_zero(0);
+        for (int64_t d0 = 0; d0 < D; d0 += 2 * kTile) {
+          _tile_loadd(1, q_.data() + r0 * D + d0, D * 2);
+          _tile_loadd(2, keys + (d0 / 2 * B + i0) * 2, B * 4);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, scores_.data() + i0, B * 4);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        correction[r] = fold_pairs(scores_.data() + r * B, scale_, B, lo[r0 + r], hi[r0 + r],
+                                   state[r0 + r], probs_.data() + r * B);
+      }
+      for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // value sums [16, 16]: rows x head dims
+        _tile_zero(5);
+        for (int64_t i0 = 0; i0 < B; i0 += kTile) {
+          _tile_loadd(3, probs_.data() + i0, B * 2);
+          _tile_loadd(4, values + (i0 / 2 * D + d0) * 2, D * 4);
+          _tile_dpbf16ps(5, 3, 4);
+        }
+        _tile_stored(5, sums_.data() + d0, D * 4);
+      }
+      for (int64_t r = 0; r < n; ++r) {  // acc = acc * correction + this block's sums
+        float* acc = state[r0 + r].acc;
+        const __m512 c = _mm512_set1_ps(correction[r]);
+        for (int64_t d = 0; d < D; d += kLanes) {
+          _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), c,
+                                                    _mm512_loadu_ps(sums_.data() + r * D + d)));
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kTile = 16;
+  // Tile registers, written as literals in the tile instructions (their operands are register
+  // names): 0 scores, 1 queries, 2 keys, 3 probabilities, 4 values, 5 value sums.
+  static constexpr int kScores = 0, kQuery = 1, kKeys = 2, kProbs = 3, kValues = 4, kValueSums = 5;
+  int64_t dim_, block_size_;
+  float scale_;
+  std::vector<uint16_t> q_;  // [rows, D] the tile's query rows, copied so tiles load them evenly
+  std::vector<float> scores_;  // [16, B]
+  std::vector<uint16_t> probs_;  // [16, B] bf16
+  std::vector<float> sums_;  // [16, D]
+};
+
+}  // namespace meshserve_attention
+#endif
