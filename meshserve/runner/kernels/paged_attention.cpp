@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -103,14 +104,34 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       item_tile.push_back(tile);
     }
   }
+  // Each thread takes one run of items of about equal cost (blocks read times rows, plus a
+  // tile's fixed share), not of equal count: a step's sequences differ in context length, and an
+  // even split by count leaves one thread idle at the end while the other finishes.
   const int64_t items = static_cast<int64_t>(item_seq.size()) * kv_heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> cost_before(items + 1, 0);
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t w = item / kv_heads, s = item_seq[w];
+    const int64_t q_len = starts[s + 1] - starts[s];
+    const int64_t tile_len = std::min(kQueryTile, q_len - item_tile[w]);
+    const int64_t first_pos = lens[s] - q_len + item_tile[w];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+    const int64_t blocks = (first_pos + tile_len - 1) / block_size - first / block_size + 1;
+    cost_before[item + 1] = cost_before[item] + blocks * (tile_len * group + kQueryTile);
+  }
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> run_start(threads + 1, items);
+  for (int64_t t = 0; t < threads; ++t) {
+    const int64_t share = cost_before[items] * t / threads;
+    run_start[t] = std::lower_bound(cost_before.begin(), cost_before.end() - 1, share) -
+                   cost_before.begin();
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
     const int64_t rows_max = kQueryTile * group;
     Rows math(rows_max, dim, block_size, static_cast<float>(scale));
     std::vector<float> acc(rows_max * dim);
     std::vector<RowState> state(rows_max);
     std::vector<int64_t> lo(rows_max), hi(rows_max);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = run_start[first_run]; item < run_start[end_run]; ++item) {
       const int64_t h = item % kv_heads, w = item / kv_heads;
       const int64_t s = item_seq[w], tile = item_tile[w];
       const int64_t q_start = starts[s], q_len = starts[s + 1] - q_start;
