@@ -216,3 +216,23 @@ def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: 
                        torch.cat([k[cached:length], pad[:, :3]]),
                        torch.cat([v[cached:length], pad[:, :3]]), k_cache, v_cache, 0.125, None)
     assert torch.equal(again[:length - cached], first[cached:length])
+
+
+def test_bf16_takes_the_tiles_exactly_where_the_cpu_and_linux_offer_them() -> None:
+    """The fast path must not fall away unnoticed (a build flag, a refused permission): bf16
+    caches are paired, and attended on AMX, exactly where the CPU has AMX-BF16 and AVX512-BF16
+    and Linux grants the tile state; fp32 never is, nor a head size the tiles do not divide."""
+    import ctypes
+    import platform
+
+    expected = False
+    if platform.machine() == "x86_64":
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
+        libc = ctypes.CDLL(None, use_errno=True)
+        granted = libc.syscall(158, 0x1023, 18) == 0  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+        expected = {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags and granted
+    assert ops.paired_blocks(torch.bfloat16, 64, 16) == expected
+    assert not ops.paired_blocks(torch.float32, 64, 16)
+    assert not ops.paired_blocks(torch.bfloat16, 80, 16)
+
