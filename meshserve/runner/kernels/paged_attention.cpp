@@ -20,9 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -96,27 +94,31 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t block_elems = block_size * dim;
 
-  std::vector<int64_t> item_seq, item_tile;
+  // A tile of up to kQueryTile query tokens of one sequence and the blocks its rows read.
+  struct QueryTile {
+    int64_t seq, token, pos, len;  // its first token's index in the step and position; tokens
+    int64_t first_block, end_block;  // [first_block, end_block) of the sequence's block table
+  };
+  std::vector<QueryTile> tiles;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     for (int64_t tile = 0; tile < q_len; tile += kQueryTile) {
-      item_seq.push_back(s);
-      item_tile.push_back(tile);
+      const int64_t pos = lens[s] - q_len + tile, len = std::min(kQueryTile, q_len - tile);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      tiles.push_back({s, starts[s] + tile, pos, len, first / block_size,
+                       (pos + len - 1) / block_size + 1});
     }
   }
-  // Each thread takes one run of items of about equal cost (blocks read times rows, plus a
-  // tile's fixed share), not of equal count: a step's sequences differ in context length, and an
-  // even split by count leaves one thread idle at the end while the other finishes.
-  const int64_t items = static_cast<int64_t>(item_seq.size()) * kv_heads;
+  // Work items are (tile, kv head). Each thread takes one run of items of about equal cost
+  // (blocks read times rows, plus a tile's fixed share), not of equal count: a step's sequences
+  // differ in context length, and an even split by count leaves one thread idle at the end while
+  // the other finishes.
+  const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
   std::vector<int64_t> cost_before(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) {
-    const int64_t w = item / kv_heads, s = item_seq[w];
-    const int64_t q_len = starts[s + 1] - starts[s];
-    const int64_t tile_len = std::min(kQueryTile, q_len - item_tile[w]);
-    const int64_t first_pos = lens[s] - q_len + item_tile[w];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-    const int64_t blocks = (first_pos + tile_len - 1) / block_size - first / block_size + 1;
-    cost_before[item + 1] = cost_before[item] + blocks * (tile_len * group + kQueryTile);
+    const QueryTile& tile = tiles[item / kv_heads];
+    cost_before[item + 1] = cost_before[item] + (tile.end_block - tile.first_block) *
+                                                    (tile.len * group + kQueryTile);
   }
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   std::vector<int64_t> run_start(threads + 1, items);
@@ -132,26 +134,21 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
     std::vector<RowState> state(rows_max);
     std::vector<int64_t> lo(rows_max), hi(rows_max);
     for (int64_t item = run_start[first_run]; item < run_start[end_run]; ++item) {
-      const int64_t h = item % kv_heads, w = item / kv_heads;
-      const int64_t s = item_seq[w], tile = item_tile[w];
-      const int64_t q_start = starts[s], q_len = starts[s + 1] - q_start;
-      const int64_t first_pos = lens[s] - q_len + tile;  // position of the tile's first query
-      const int64_t tile_len = std::min(kQueryTile, q_len - tile);
-      const int64_t rows = tile_len * group;  // row j * group + g: query j, head h * group + g
+      const int64_t h = item % kv_heads;
+      const QueryTile& tile = tiles[item / kv_heads];
+      const int64_t rows = tile.len * group;  // row j * group + g: query j, head h * group + g
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t j = r / group, g = r % group;
-        math.load_row(r, q + (q_start + tile + j) * qs0 + (h * group + g) * qs1);
+        math.load_row(r, q + (tile.token + j) * qs0 + (h * group + g) * qs1);
         state[r] = {-kHuge, 0.f, acc.data() + r * dim};
         std::fill(state[r].acc, state[r].acc + dim, 0.f);
       }
-      const int64_t last = first_pos + tile_len - 1;  // the last key any row of the tile sees
-      const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      const int32_t* table = tables + s * max_blocks;
-      for (int64_t b = first / block_size; b * block_size <= last; ++b) {
+      const int32_t* table = tables + tile.seq * max_blocks;
+      for (int64_t b = tile.first_block; b < tile.end_block; ++b) {
         const int64_t offset = (static_cast<int64_t>(table[b]) * kv_heads + h) * block_elems;
         const int64_t key0 = b * block_size;
         for (int64_t r = 0; r < rows; ++r) {  // each row's visible keys, block-relative
-          const int64_t pos = first_pos + r / group;
+          const int64_t pos = tile.pos + r / group;
           hi[r] = std::min(pos - key0, block_size - 1);
           lo[r] = window > 0 ? std::max<int64_t>(0, pos - window + 1 - key0) : 0;
         }
@@ -159,7 +156,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t j = r / group, g = r % group;
-        scalar_t* dst = o + (q_start + tile + j) * os0 + (h * group + g) * os1;
+        scalar_t* dst = o + (tile.token + j) * os0 + (h * group + g) * os1;
         const float inv = state[r].sum > 0.f ? 1.f / state[r].sum : 0.f;
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(state[r].acc[d] * inv);
       }

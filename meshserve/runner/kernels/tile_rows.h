@@ -33,10 +33,10 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // Folds one row's dot products p [B] (scaled here, in place), visible over [lo, hi], into its
-// running softmax: writes the
-// block's probabilities, rounded to bf16, to pb [B] (0 where masked) and returns the factor the
-// row's value sums are rescaled by. A block the row cannot see changes nothing.
-inline float fold_pairs(float* p, float scale, int64_t block_size, int64_t lo, int64_t hi,
+// running softmax: writes the block's probabilities, rounded to bf16, to pb [B] (0 where masked)
+// and returns the factor the row's value sums are rescaled by. A block the row cannot see changes
+// nothing.
+inline float fold_to_bf16(float* p, float scale, int64_t block_size, int64_t lo, int64_t hi,
                         RowState& row, uint16_t* pb) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i first = _mm512_set1_epi32(static_cast<int>(lo));
@@ -140,8 +140,8 @@ class TileRows {
         _tile_stored(0, scores_.data() + i0, B * 4);
       }
       for (int64_t r = 0; r < n; ++r) {
-        correction[r] = fold_pairs(scores_.data() + r * B, scale_, B, lo[r0 + r], hi[r0 + r],
-                                   state[r0 + r], probs_.data() + r * B);
+        correction[r] = fold_to_bf16(scores_.data() + r * B, scale_, B, lo[r0 + r], hi[r0 + r],
+                                     state[r0 + r], probs_.data() + r * B);
       }
       for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // value sums [16, 16]: rows x head dims
         _tile_zero(5);
