@@ -13,6 +13,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.runner.compiled import CompiledPiece
+from meshserve.spmd.backend import create_backend
 from tests.test_engine_correctness import mixed_prompts
 from tests.workload import compile_counters, run_random_workload
 
@@ -105,3 +106,29 @@ def test_dispatch_skips_dynamo_and_refuses_a_program_that_is_not_general() -> No
     bad.warm_up(None, torch.ones(3, 2), 2.0)
     with pytest.raises(RuntimeError, match="a dynamic piece must compile once"):
         bad.warm_up(None, torch.ones(3, 2), 3.0)  # a new constant needs a second program
+
+
+def test_bf16_linears_are_inductors_amx_gemms_exactly_where_the_cpu_has_tiles() -> None:
+    # The decode speed of bf16 rests on this choice; a torch upgrade or a refused permission must
+    # not drop it unnoticed, and no other dtype or CPU may take it.
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    backend = create_backend("cpu")
+    amx = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+    assert backend.compile_options(torch.bfloat16) == (
+        amx if {"amx_tile", "amx_bf16"} <= flags else {"freezing": True})
+    assert backend.compile_options(torch.float32) == {"freezing": True}
+
+
+def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(tiny_llama_dir: str) -> None:
+    # In the dtype this CPU serves (bf16 through inductor's AMX GEMMs where it has them), a row's
+    # arithmetic must not depend on the rows beside it or on a cached prefix, or a streamed request
+    # and its non-streamed twin could part at a near-tie.
+    llm = LLM(tiny_llama_dir, dtype="auto", device="cpu", max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=400)
+    prompt, *others = mixed_prompts(8, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
+    (alone,) = llm.generate([prompt], params)
+    batched = llm.generate([*others[:4], prompt, *others[4:]], params)[4]
+    assert batched.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert batched.outputs[0].logprobs == alone.outputs[0].logprobs
