@@ -13,7 +13,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.runner.compiled import CompiledPiece
-from meshserve.spmd.backend import create_backend
+from meshserve.spmd.backend import cpu_flags, create_backend
 from tests.test_engine_correctness import mixed_prompts
 from tests.workload import compile_counters, run_random_workload
 
@@ -111,12 +111,10 @@ def test_dispatch_skips_dynamo_and_refuses_a_program_that_is_not_general() -> No
 def test_bf16_linears_are_inductors_amx_gemms_exactly_where_the_cpu_has_tiles() -> None:
     # The decode speed of bf16 rests on this choice; a torch upgrade or a refused permission must
     # not drop it unnoticed, and no other dtype or CPU may take it.
-    with open("/proc/cpuinfo") as f:
-        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
     backend = create_backend("cpu")
     amx = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
     assert backend.compile_options(torch.bfloat16) == (
-        amx if {"amx_tile", "amx_bf16"} <= flags else {"freezing": True})
+        amx if {"amx_tile", "amx_bf16"} <= cpu_flags() else {"freezing": True})
     assert backend.compile_options(torch.float32) == {"freezing": True}
 
 

@@ -13,6 +13,7 @@ import torch
 
 from meshserve.runner.attention import PagedCpuAttention, StepLayout
 from meshserve.runner.kernels import ops
+from meshserve.spmd.backend import cpu_flags
 from tests.paged_reference import mixed_step, reference_paged_attention
 
 
@@ -227,12 +228,9 @@ def test_bf16_takes_the_tiles_exactly_where_the_cpu_and_linux_offer_them() -> No
 
     expected = False
     if platform.machine() == "x86_64":
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
         libc = ctypes.CDLL(None, use_errno=True)
         granted = libc.syscall(158, 0x1023, 18) == 0  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
-        expected = {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags and granted
+        expected = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags() and granted
     assert ops.paired_blocks(torch.bfloat16, 64, 16) == expected
     assert not ops.paired_blocks(torch.float32, 64, 16)
     assert not ops.paired_blocks(torch.bfloat16, 80, 16)
-

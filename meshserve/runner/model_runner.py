@@ -98,7 +98,8 @@ class ModelRunner:
         backend = self.backend
         eager = self.enforce_eager or (not backend.static_shapes and not compile_on_cpu)
         return CompiledPiece(fn, backend=backend.compile_backend, dynamic=not backend.static_shapes,
-                             eager=eager, options=backend.compile_options(self.dtype), cut=backend.sync)
+                             eager=eager, options=backend.compile_options(self.dtype),
+                             cut=backend.sync)
 
     def _build_model(self, loaded: LoadedModel, max_positions: int) -> LlamaForCausalLM:
         rotary = Rotary(loaded.rope_inv_freq, loaded.rope_attention_scaling,

@@ -169,14 +169,19 @@ class Backend:
         return xr.get_num_cached_compilation_graph()
 
 
-def native_bf16_flags() -> str:
-    """The CPU's native bf16 matrix instruction sets, as /proc/cpuinfo names them ("" if none)."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is no procfs)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f
+                                   if line.startswith("flags")), []))
     except OSError:
-        return ""
+        return frozenset()
+
+
+def native_bf16_flags() -> str:
+    """The CPU's native bf16 matrix instruction sets, as /proc/cpuinfo names them ("" if none)."""
+    flags = cpu_flags()
     return ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in flags)
 
 

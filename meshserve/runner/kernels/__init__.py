@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from meshserve.spmd.backend import cpu_flags
+
 logger = logging.getLogger("meshserve.kernels")
 
 _SOURCES = ("paged_attention.cpp",)
@@ -46,16 +48,8 @@ def _build_key() -> str:
         digest.update((here / name).read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
     return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def load() -> None:
