@@ -203,7 +203,9 @@ def test_a_fresh_machine_builds_the_kernel_once_without_ninja_on_path(tmp_path) 
 def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: int) -> None:
     """The same prompt, computed whole and then again with its first ``cached`` tokens found in
     the prefix cache, attends bit for bit alike: otherwise a near-tied greedy token can flip, and
-    a request's streamed text differ from its twin's (the soak test's check)."""
+    a request's streamed text differ from its twin's (the soak test's check). With 69 cached, the
+    last token is an item of 3 rows that takes its 5 blocks in runs (4 + 1) where the whole
+    prompt's tile of 48 rows took them one at a time: the grouping must not change a bit either."""
     length = 70
     whole, q, k, v, k_hist, v_hist = mixed_step([length], [length], block=16, blocks=16,
                                                 heads=9, kv_heads=3, dim=64, dtype=dtype)

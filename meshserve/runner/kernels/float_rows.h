@@ -167,6 +167,14 @@ class FloatRows {
     ptrs_[r] = dst;
   }
 
+  void run(const BlockRun<scalar_t>& blocks, int64_t rows, RowState* state) {
+    for (int64_t c = 0; c < blocks.count; ++c) {
+      block(blocks.keys[c], blocks.values[c], rows, blocks.lo + c * blocks.stride,
+            blocks.hi + c * blocks.stride, state);
+    }
+  }
+
+ private:
   void block(const scalar_t* k, const scalar_t* v, int64_t rows, const int64_t* lo,
              const int64_t* hi, RowState* state) {
     const int64_t n = block_size_ * dim_;
@@ -178,7 +186,6 @@ class FloatRows {
     }
   }
 
- private:
   int64_t dim_, block_size_;
   float scale_;
   std::vector<float> q_;

@@ -12,6 +12,22 @@ constexpr float kHuge = 1e30f;
 // Lanes of one accumulator kept in a register (one AVX-512 register of fp32, or two AVX2 ones).
 constexpr int64_t kLanes = 16;
 
+// Blocks one work item hands its row arithmetic at once: consecutive blocks of its sequence, in
+// order. Row r may see keys [lo[c * stride + r], hi[c * stride + r]] of block c (block-relative).
+// Taking several lets the tile arithmetic issue the independent products of every block together
+// instead of waiting on one block's scores -> softmax -> value sums chain at a time.
+constexpr int64_t kRunBlocks = 4;
+
+template <typename scalar_t>
+struct BlockRun {
+  const scalar_t* keys[kRunBlocks];
+  const scalar_t* values[kRunBlocks];
+  int64_t count;
+  const int64_t* lo;
+  const int64_t* hi;
+  int64_t stride;
+};
+
 // Online-softmax state of one query row.
 struct RowState {
   float max;

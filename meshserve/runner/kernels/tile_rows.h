@@ -96,19 +96,9 @@ class TileRows {
  public:
   TileRows(int64_t rows_max, int64_t dim, int64_t block_size, float scale)
       : dim_(dim), block_size_(block_size), scale_(scale),
-        q_((rows_max + kTile - 1) / kTile * kTile * dim), scores_(kTile * block_size),
-        probs_(kTile * block_size), sums_(kTile * dim) {
-    TileConfig config;
-    for (const int t : {kScores, kQuery, kKeys, kValueSums}) {
-      config.colsb[t] = 64;
-      config.rows[t] = kTile;
-    }
-    config.colsb[kProbs] = kTile * 2;  // 16 keys of bf16
-    config.rows[kProbs] = kTile;
-    config.colsb[kValues] = 64;
-    config.rows[kValues] = kTile / 2;  // 8 pairs of keys
-    _tile_loadconfig(&config);
-  }
+        q_((rows_max + kTile - 1) / kTile * kTile * dim),
+        scores_(kRunBlocks * kTile * block_size), probs_(kRunBlocks * kTile * block_size),
+        sums_(kRunBlocks * kTile * dim), correction_(kRunBlocks * kTile) {}
   ~TileRows() { _tile_release(); }  // so the kernel need not save 8 KB of tiles at every switch
   TileRows(const TileRows&) = delete;
   TileRows& operator=(const TileRows&) = delete;
@@ -122,48 +112,88 @@ class TileRows {
               q_.data() + r * dim_);
   }
 
-  void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t rows, const int64_t* lo,
-             const int64_t* hi, RowState* state) {
-    const int64_t B = block_size_, D = dim_;
-    const uint16_t* keys = reinterpret_cast<const uint16_t*>(k);  // [D/2, B, 2]
-    const uint16_t* values = reinterpret_cast<const uint16_t*>(v);  // [B/2, D, 2]
-    float correction[kTile];
-    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {  // rows past the end hold stale, finite data
+  // A run of blocks in four passes: every block's scores (independent tile products), then each
+  // block's softmax in order (the one chain: each row's running max and sum), then every block's
+  // value sums (independent again), then each block's rescale-and-add in order. A row goes
+  // through the same operations in the same order as it would one block at a time, so its result
+  // does not depend on how its blocks were grouped into runs.
+  void run(const BlockRun<c10::BFloat16>& blocks, int64_t rows, RowState* state) {
+    const int64_t B = block_size_, D = dim_, count = blocks.count;
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
       const int64_t n = std::min(kTile, rows - r0);
-      for (int64_t i0 = 0; i0 < B; i0 += kTile) {  // scores [16, 16]: rows x keys
-        _tile_zero(0);
-        for (int64_t d0 = 0; d0 < D; d0 += 2 * kTile) {
-          _tile_loadd(1, q_.data() + r0 * D + d0, D * 2);
-          _tile_loadd(2, keys + (d0 / 2 * B + i0) * 2, B * 4);
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, scores_.data() + i0, B * 4);
-      }
-      for (int64_t r = 0; r < n; ++r) {
-        correction[r] = fold_to_bf16(scores_.data() + r * B, scale_, B, lo[r0 + r], hi[r0 + r],
-                                     state[r0 + r], probs_.data() + r * B);
-      }
-      for (int64_t d0 = 0; d0 < D; d0 += kTile) {  // value sums [16, 16]: rows x head dims
-        _tile_zero(5);
+      fit_rows(n);
+      for (int64_t c = 0; c < count; ++c) {  // scores [n, B] per block: rows x keys
+        const uint16_t* keys = reinterpret_cast<const uint16_t*>(blocks.keys[c]);  // [D/2, B, 2]
+        float* scores = scores_.data() + c * kTile * B;
         for (int64_t i0 = 0; i0 < B; i0 += kTile) {
-          _tile_loadd(3, probs_.data() + i0, B * 2);
-          _tile_loadd(4, values + (i0 / 2 * D + d0) * 2, D * 4);
-          _tile_dpbf16ps(5, 3, 4);
+          _tile_zero(0);
+          for (int64_t d0 = 0; d0 < D; d0 += 2 * kTile) {
+            _tile_loadd(1, q_.data() + r0 * D + d0, D * 2);
+            _tile_loadd(2, keys + (d0 / 2 * B + i0) * 2, B * 4);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+          _tile_stored(0, scores + i0, B * 4);
         }
-        _tile_stored(5, sums_.data() + d0, D * 4);
       }
-      for (int64_t r = 0; r < n; ++r) {  // acc = acc * correction + this block's sums
-        float* acc = state[r0 + r].acc;
-        const __m512 c = _mm512_set1_ps(correction[r]);
-        for (int64_t d = 0; d < D; d += kLanes) {
-          _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), c,
-                                                    _mm512_loadu_ps(sums_.data() + r * D + d)));
+      for (int64_t c = 0; c < count; ++c) {  // softmax, block by block
+        const int64_t* lo = blocks.lo + c * blocks.stride + r0;
+        const int64_t* hi = blocks.hi + c * blocks.stride + r0;
+        for (int64_t r = 0; r < n; ++r) {
+          correction_[c * kTile + r] = fold_to_bf16(
+              scores_.data() + (c * kTile + r) * B, scale_, B, lo[r], hi[r], state[r0 + r],
+              probs_.data() + (c * kTile + r) * B);
+        }
+      }
+      for (int64_t c = 0; c < count; ++c) {  // value sums [n, D] per block: rows x head dims
+        const uint16_t* values = reinterpret_cast<const uint16_t*>(blocks.values[c]);  // [B/2, D, 2]
+        const uint16_t* probs = probs_.data() + c * kTile * B;
+        float* sums = sums_.data() + c * kTile * D;
+        for (int64_t d0 = 0; d0 < D; d0 += kTile) {
+          _tile_zero(5);
+          for (int64_t i0 = 0; i0 < B; i0 += kTile) {
+            _tile_loadd(3, probs + i0, B * 2);
+            _tile_loadd(4, values + (i0 / 2 * D + d0) * 2, D * 4);
+            _tile_dpbf16ps(5, 3, 4);
+          }
+          _tile_stored(5, sums + d0, D * 4);
+        }
+      }
+      for (int64_t c = 0; c < count; ++c) {  // acc = acc * correction + the block's sums
+        const float* sums = sums_.data() + c * kTile * D;
+        for (int64_t r = 0; r < n; ++r) {
+          float* acc = state[r0 + r].acc;
+          const __m512 f = _mm512_set1_ps(correction_[c * kTile + r]);
+          for (int64_t d = 0; d < D; d += kLanes) {
+            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), f,
+                                                      _mm512_loadu_ps(sums + r * D + d)));
+          }
         }
       }
     }
   }
 
  private:
+  // Configures the tiles for ``m`` query rows: a decode's rows are its query heads per KV head
+  // (3 for SmolLM2), and a tile of 16 rows would load, multiply and store 13 rows for nothing.
+  // Rows never mix in a tile product, so a row's result is the same whatever ``m`` is.
+  // Reconfiguring zeroes every tile, so it happens only when the row count changes.
+  void fit_rows(int64_t m) {
+    if (m == rows_) return;
+    TileConfig config;
+    for (const int t : {kScores, kQuery, kValueSums}) {
+      config.colsb[t] = 64;
+      config.rows[t] = static_cast<uint8_t>(m);
+    }
+    config.colsb[kKeys] = 64;
+    config.rows[kKeys] = kTile;
+    config.colsb[kProbs] = kTile * 2;  // 16 keys of bf16
+    config.rows[kProbs] = static_cast<uint8_t>(m);
+    config.colsb[kValues] = 64;
+    config.rows[kValues] = kTile / 2;  // 8 pairs of keys
+    _tile_loadconfig(&config);
+    rows_ = m;
+  }
+
   static constexpr int64_t kTile = 16;
   // Tile registers, written as literals in the tile instructions (their operands are register
   // names): 0 scores, 1 queries, 2 keys, 3 probabilities, 4 values, 5 value sums.
@@ -171,9 +201,11 @@ class TileRows {
   int64_t dim_, block_size_;
   float scale_;
   std::vector<uint16_t> q_;  // [rows, D] the tile's query rows, copied so tiles load them evenly
-  std::vector<float> scores_;  // [16, B]
-  std::vector<uint16_t> probs_;  // [16, B] bf16
-  std::vector<float> sums_;  // [16, D]
+  std::vector<float> scores_;  // [run blocks, 16, B]
+  std::vector<uint16_t> probs_;  // [run blocks, 16, B] bf16
+  std::vector<float> sums_;  // [run blocks, 16, D]
+  std::vector<float> correction_;  // [run blocks, 16]
+  int64_t rows_ = 0;  // query rows the tiles are configured for (0: not yet)
 };
 
 }  // namespace meshserve_attention
