@@ -84,10 +84,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// bf16 queries and caches on AMX: for each 16 query rows, the scores of 16 keys are one tile
-// product per 32 head dimensions (queries [16, 32] times the keys paired over D), and the value
-// sums one product per 16 keys and 16 head dimensions (probabilities [16, 16] times the values
-// paired over keys). The softmax stays in AVX-512 between the two. Products of two bf16 values
+// bf16 queries and caches on AMX: for up to 16 query rows (n, the tiles configured for as many
+// as an item has), the scores of 16 keys are one tile product per 32 head dimensions (queries
+// [n, 32] times the keys paired over D), and the value sums one product per 16 keys and 16 head
+// dimensions (probabilities [n, 16] times the values paired over keys). The softmax stays in AVX-512 between the two. Products of two bf16 values
 // are exact in fp32; the probabilities are rounded to bf16 for the value sums, as flash attention
 // does. Every row's arithmetic is its own and in a fixed order (a tile's rows do not mix), so a
 // row's result depends on neither the tile nor the step it came in. One object per thread: it
