@@ -105,11 +105,13 @@ def test_generic_shapes_equal_reference(block: int, dim: int) -> None:
 
 @pytest.mark.parametrize("q_lens, seq_lens", STEPS)
 @pytest.mark.parametrize("window", [None, 24])
-def test_bfloat16_cache_is_written_and_read_in_place(q_lens, seq_lens, window) -> None:
+@pytest.mark.parametrize("dim", [64, 96])
+def test_bfloat16_cache_is_written_and_read_in_place(q_lens, seq_lens, window, dim) -> None:
     """bf16 takes the AMX tiles (and a paired cache) where the CPU has them, fp32 arithmetic
-    elsewhere; either way it agrees with the float64 reference to bf16's precision."""
+    elsewhere; either way it agrees with the float64 reference to bf16's precision. The tiles
+    sum values 64 head dimensions at a time: 96 leaves 32 for the last pass."""
     layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=16, blocks=64, heads=8,
-                                                 kv_heads=2, dim=64, dtype=torch.bfloat16)
+                                                 kv_heads=2, dim=dim, dtype=torch.bfloat16)
     want, want_k, want_v = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125,
                                                      window)
     k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
@@ -199,25 +201,30 @@ def test_a_fresh_machine_builds_the_kernel_once_without_ninja_on_path(tmp_path) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cached", [16, 37, 69])
-def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: int) -> None:
+@pytest.mark.parametrize("cached", [16, 37, 249])
+@pytest.mark.parametrize("window", [None, 150])
+def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: int,
+                                                                 window: int | None) -> None:
     """The same prompt, computed whole and then again with its first ``cached`` tokens found in
     the prefix cache, attends bit for bit alike: otherwise a near-tied greedy token can flip, and
-    a request's streamed text differ from its twin's (the soak test's check). With 69 cached, the
-    last token is an item of 3 rows that takes its 5 blocks in runs (4 + 1) where the whole
-    prompt's tile of 48 rows took them one at a time: the grouping must not change a bit either."""
-    length = 70
-    whole, q, k, v, k_hist, v_hist = mixed_step([length], [length], block=16, blocks=16,
+    a request's streamed text differ from its twin's (the soak test's check). On the tiles the
+    softmax folds a run of blocks at once, so where runs end is part of the arithmetic: the whole
+    prompt's tiles of 48 rows and the rest's (down to 3 rows, the last token alone with 249
+    cached) must meet the same runs, also where a window makes their first blocks differ: token
+    245 sees blocks 6-15, and its tile's first block is 5 in the whole prompt, 6 with 37 cached,
+    so runs counted from the tile's first block would split its blocks at 13 and at 14."""
+    length = 250
+    whole, q, k, v, k_hist, v_hist = mixed_step([length], [length], block=16, blocks=20,
                                                 heads=9, kv_heads=3, dim=64, dtype=dtype)
     k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
-    first = run_kernel(whole, q, k, v, k_cache, v_cache, 0.125, None)
-    rest, *_ = mixed_step([length - cached], [length], block=16, blocks=16, heads=9,
+    first = run_kernel(whole, q, k, v, k_cache, v_cache, 0.125, window)
+    rest, *_ = mixed_step([length - cached], [length], block=16, blocks=20, heads=9,
                           kv_heads=3, dim=64, dtype=dtype)
     assert (rest.block_table == whole.block_table).all()  # the same blocks, as a cache hit
     pad = torch.zeros(3, *q.shape[1:], dtype=dtype)  # the layout's padding tokens
     again = run_kernel(rest, torch.cat([q[cached:length], pad]),
                        torch.cat([k[cached:length], pad[:, :3]]),
-                       torch.cat([v[cached:length], pad[:, :3]]), k_cache, v_cache, 0.125, None)
+                       torch.cat([v[cached:length], pad[:, :3]]), k_cache, v_cache, 0.125, window)
     assert torch.equal(again[:length - cached], first[cached:length])
 
 

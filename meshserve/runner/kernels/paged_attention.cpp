@@ -4,7 +4,7 @@
 // (through the slot mapping) and attends every query token over its sequence's cached context
 // (through the block table), reading the blocks where they are: no gathered copy of K/V, and
 // grouped-query attention without repeating KV heads (the query heads of one KV head share every
-// key and value load). The softmax is an online one over blocks. Built with -ffast-math: no
+// key and value load). The softmax is an online one over runs of blocks. Built with -ffast-math: no
 // infinities are used (kHuge).
 //
 // Cache tensors, per layer: keys [num_blocks, kv_heads, head_dim, block_size] and values
@@ -70,11 +70,6 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 }
 
 constexpr int64_t kQueryTile = 16;
-// Items of at most this many rows (a decode's query heads per KV head, a few tokens' worth) take
-// their blocks kRunBlocks at a time; larger ones one at a time. On AMX (2-core Xeon, bf16) runs
-// made 3-row decode items 16-20% faster and 6-row ones 21%, left 12 rows even and made 15 rows
-// 28% slower. The grouping never changes a row's result (see TileRows::run).
-constexpr int64_t kRunRowsMax = 10;
 
 // Attends every query token over its sequence's blocks with the arithmetic of ``Rows``
 // (FloatRows or TileRows). Work items are (sequence, kv head, tile of query tokens); a tile's
@@ -150,19 +145,22 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
         std::fill(state[r].acc, state[r].acc + dim, 0.f);
       }
       const int32_t* table = tables + tile.seq * max_blocks;
-      const int64_t run_blocks = rows <= kRunRowsMax ? kRunBlocks : 1;
-      for (int64_t b0 = tile.first_block; b0 < tile.end_block; b0 += run_blocks) {
-        run.count = std::min(run_blocks, tile.end_block - b0);
+      // Runs end at multiples of kRunBlocks of the sequence's blocks, whatever the tile: where
+      // a run ends is part of a row's arithmetic on the tiles (see TileRows::run).
+      for (int64_t b0 = tile.first_block; b0 < tile.end_block; b0 += run.count) {
+        run.count = std::min((b0 / kRunBlocks + 1) * kRunBlocks, tile.end_block) - b0;
         for (int64_t c = 0; c < run.count; ++c) {
           const int64_t b = b0 + c;
           const int64_t offset = (static_cast<int64_t>(table[b]) * kv_heads + h) * block_elems;
           run.keys[c] = kc + offset;
           run.values[c] = vc + offset;
           const int64_t key0 = b * block_size;
-          for (int64_t r = 0; r < rows; ++r) {  // each row's visible keys, block-relative
-            const int64_t pos = tile.pos + r / group;
-            hi[c * rows_max + r] = std::min(pos - key0, block_size - 1);
-            lo[c * rows_max + r] = window > 0 ? std::max<int64_t>(0, pos - window + 1 - key0) : 0;
+          for (int64_t j = 0; j < tile.len; ++j) {  // each row's visible keys, block-relative
+            const int64_t pos = tile.pos + j;
+            const int64_t last = std::min(pos - key0, block_size - 1);
+            const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1 - key0) : 0;
+            std::fill_n(hi.data() + c * rows_max + j * group, group, last);
+            std::fill_n(lo.data() + c * rows_max + j * group, group, first);
           }
         }
         math.run(run, rows, state.data());

@@ -32,33 +32,43 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(poly, n);
 }
 
-// Folds one row's dot products p [B] (scaled here, in place), visible over [lo, hi], into its
-// running softmax: writes the block's probabilities, rounded to bf16, to pb [B] (0 where masked)
-// and returns the factor the row's value sums are rescaled by. A block the row cannot see changes
-// nothing.
-inline float fold_to_bf16(float* p, float scale, int64_t block_size, int64_t lo, int64_t hi,
-                        RowState& row, uint16_t* pb) {
+// Folds one row's dot products over a run of blocks, p [count * B] (scaled here, in place), into
+// its running softmax: block c's keys are visible over [lo[c * stride], hi[c * stride]]
+// (block-relative). Writes the run's probabilities, rounded to bf16, to pb [count * B] (0 where
+// masked) and returns the factor the row's value sums are rescaled by. One maximum, one sum and
+// one rescale per run, not per block. Keys the row cannot see change nothing, so a block it
+// cannot see may be in the run or not: the result is the same.
+inline float fold_run_to_bf16(float* p, float scale, int64_t block_size, int64_t count,
+                              const int64_t* lo, const int64_t* hi, int64_t stride,
+                              RowState& row, uint16_t* pb) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i first = _mm512_set1_epi32(static_cast<int>(lo));
-  const __m512i last = _mm512_set1_epi32(static_cast<int>(hi));
-  const auto visible = [&](int64_t i0) {
+  const auto visible = [&](int64_t c, int64_t i0) {
     const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i0)));
+    const __m512i first = _mm512_set1_epi32(static_cast<int>(lo[c * stride]));
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(hi[c * stride]));
     return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(key, first) &
                                   _mm512_cmple_epi32_mask(key, last));
   };
-  __m512 block_max = _mm512_set1_ps(-kHuge);
-  for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
-    const __m512 scores = _mm512_mul_ps(_mm512_loadu_ps(p + i0), _mm512_set1_ps(scale));
-    _mm512_storeu_ps(p + i0, scores);
-    block_max = _mm512_mask_max_ps(block_max, visible(i0), block_max, scores);
+  __m512 run_max = _mm512_set1_ps(-kHuge);
+  for (int64_t c = 0; c < count; ++c) {
+    for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
+      float* key = p + c * block_size + i0;
+      const __m512 scores = _mm512_mul_ps(_mm512_loadu_ps(key), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(key, scores);
+      run_max = _mm512_mask_max_ps(run_max, visible(c, i0), run_max, scores);
+    }
   }
-  const float new_max = std::max(row.max, _mm512_reduce_max_ps(block_max));
+  const float new_max = std::max(row.max, _mm512_reduce_max_ps(run_max));
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
-    const __m512 e = _mm512_maskz_mov_ps(
-        visible(i0), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + i0), _mm512_set1_ps(new_max))));
-    sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + i0), (__m256i)_mm512_cvtneps_pbh(e));
+  for (int64_t c = 0; c < count; ++c) {
+    for (int64_t i0 = 0; i0 < block_size; i0 += kLanes) {
+      const int64_t k = c * block_size + i0;
+      const __m512 e = _mm512_maskz_mov_ps(
+          visible(c, i0),
+          exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + k), _mm512_set1_ps(new_max))));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + k), (__m256i)_mm512_cvtneps_pbh(e));
+    }
   }
   const float correction =
       _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(row.max - new_max)));
@@ -87,18 +97,19 @@ struct alignas(64) TileConfig {
 // bf16 queries and caches on AMX: for up to 16 query rows (n, the tiles configured for as many
 // as an item has), the scores of 16 keys are one tile product per 32 head dimensions (queries
 // [n, 32] times the keys paired over D), and the value sums one product per 16 keys and 16 head
-// dimensions (probabilities [n, 16] times the values paired over keys). The softmax stays in AVX-512 between the two. Products of two bf16 values
-// are exact in fp32; the probabilities are rounded to bf16 for the value sums, as flash attention
-// does. Every row's arithmetic is its own and in a fixed order (a tile's rows do not mix), so a
-// row's result depends on neither the tile nor the step it came in. One object per thread: it
+// dimensions (probabilities [n, 16] times the values paired over keys). The softmax stays in
+// AVX-512 between the two. Products of two bf16 values are exact in fp32; the probabilities are
+// rounded to bf16 for the value sums, as flash attention does. Every row's arithmetic is its own
+// and in a fixed order (a tile's rows do not mix), so a row's result depends on neither the tile
+// nor the step it came in (given the runs, see run). One object per thread: it
 // holds that thread's tile configuration until it is destroyed.
 class TileRows {
  public:
   TileRows(int64_t rows_max, int64_t dim, int64_t block_size, float scale)
       : dim_(dim), block_size_(block_size), scale_(scale),
         q_((rows_max + kTile - 1) / kTile * kTile * dim),
-        scores_(kRunBlocks * kTile * block_size), probs_(kRunBlocks * kTile * block_size),
-        sums_(kRunBlocks * kTile * dim), correction_(kRunBlocks * kTile) {}
+        scores_(kTile * kRunBlocks * block_size), probs_(kTile * kRunBlocks * block_size),
+        sums_(kTile * dim), correction_(kTile) {}
   ~TileRows() { _tile_release(); }  // so the kernel need not save 8 KB of tiles at every switch
   TileRows(const TileRows&) = delete;
   TileRows& operator=(const TileRows&) = delete;
@@ -112,19 +123,20 @@ class TileRows {
               q_.data() + r * dim_);
   }
 
-  // A run of blocks in four passes: every block's scores (independent tile products), then each
-  // block's softmax in order (the one chain: each row's running max and sum), then every block's
-  // value sums (independent again), then each block's rescale-and-add in order. A row goes
-  // through the same operations in the same order as it would one block at a time, so its result
-  // does not depend on how its blocks were grouped into runs.
+  // A run of blocks in four passes, for up to 16 rows at a time: every 16 keys' scores (tile
+  // products), then each row's softmax over the whole run, then the value sums of the run's
+  // keys (one tile accumulation over all of them), then each row's rescale-and-add, once per
+  // run. A row's result depends on which of its visible keys each run holds, and on nothing
+  // else: attend aligns runs to the sequence's blocks, so a row meets the same runs in any tile
+  // and step.
   void run(const BlockRun<c10::BFloat16>& blocks, int64_t rows, RowState* state) {
     const int64_t B = block_size_, D = dim_, count = blocks.count;
+    const int64_t width = kRunBlocks * B;  // row stride of scores_ and probs_
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
       const int64_t n = std::min(kTile, rows - r0);
       fit_rows(n);
-      for (int64_t c = 0; c < count; ++c) {  // scores [n, B] per block: rows x keys
+      for (int64_t c = 0; c < count; ++c) {  // scores [n, count * B]: rows x keys
         const uint16_t* keys = reinterpret_cast<const uint16_t*>(blocks.keys[c]);  // [D/2, B, 2]
-        float* scores = scores_.data() + c * kTile * B;
         for (int64_t i0 = 0; i0 < B; i0 += kTile) {
           _tile_zero(0);
           for (int64_t d0 = 0; d0 < D; d0 += 2 * kTile) {
@@ -132,41 +144,57 @@ class TileRows {
             _tile_loadd(2, keys + (d0 / 2 * B + i0) * 2, B * 4);
             _tile_dpbf16ps(0, 1, 2);
           }
-          _tile_stored(0, scores + i0, B * 4);
+          _tile_stored(0, scores_.data() + c * B + i0, width * 4);
         }
       }
-      for (int64_t c = 0; c < count; ++c) {  // softmax, block by block
-        const int64_t* lo = blocks.lo + c * blocks.stride + r0;
-        const int64_t* hi = blocks.hi + c * blocks.stride + r0;
-        for (int64_t r = 0; r < n; ++r) {
-          correction_[c * kTile + r] = fold_to_bf16(
-              scores_.data() + (c * kTile + r) * B, scale_, B, lo[r], hi[r], state[r0 + r],
-              probs_.data() + (c * kTile + r) * B);
-        }
+      for (int64_t r = 0; r < n; ++r) {  // softmax over the run
+        correction_[r] = fold_run_to_bf16(scores_.data() + r * width, scale_, B, count,
+                                          blocks.lo + r0 + r, blocks.hi + r0 + r, blocks.stride,
+                                          state[r0 + r], probs_.data() + r * width);
       }
-      for (int64_t c = 0; c < count; ++c) {  // value sums [n, D] per block: rows x head dims
-        const uint16_t* values = reinterpret_cast<const uint16_t*>(blocks.values[c]);  // [B/2, D, 2]
-        const uint16_t* probs = probs_.data() + c * kTile * B;
-        float* sums = sums_.data() + c * kTile * D;
-        for (int64_t d0 = 0; d0 < D; d0 += kTile) {
-          _tile_zero(5);
+      // Value sums [n, D]: rows x head dims, 64 at a time in four tiles (32 in two where D
+      // leaves them), so that each 16 keys' probabilities load once for them all and the four
+      // accumulations run side by side.
+      for (int64_t d0 = 0; d0 < D; d0 += 4 * kTile) {
+        const bool wide = D - d0 >= 4 * kTile;
+        _tile_zero(0);
+        _tile_zero(5);
+        if (wide) {
+          _tile_zero(6);
+          _tile_zero(7);
+        }
+        for (int64_t c = 0; c < count; ++c) {
+          // [B/2, D, 2]
+          const uint16_t* values = reinterpret_cast<const uint16_t*>(blocks.values[c]);
           for (int64_t i0 = 0; i0 < B; i0 += kTile) {
-            _tile_loadd(3, probs + i0, B * 2);
-            _tile_loadd(4, values + (i0 / 2 * D + d0) * 2, D * 4);
+            const uint16_t* pairs = values + (i0 / 2 * D + d0) * 2;  // 8 key pairs x 16 dims
+            _tile_loadd(3, probs_.data() + c * B + i0, width * 2);
+            _tile_loadd(4, pairs, D * 4);
+            _tile_dpbf16ps(0, 3, 4);
+            _tile_loadd(4, pairs + 2 * kTile, D * 4);
             _tile_dpbf16ps(5, 3, 4);
+            if (wide) {
+              _tile_loadd(4, pairs + 4 * kTile, D * 4);
+              _tile_dpbf16ps(6, 3, 4);
+              _tile_loadd(4, pairs + 6 * kTile, D * 4);
+              _tile_dpbf16ps(7, 3, 4);
+            }
           }
-          _tile_stored(5, sums + d0, D * 4);
+        }
+        _tile_stored(0, sums_.data() + d0, D * 4);
+        _tile_stored(5, sums_.data() + d0 + kTile, D * 4);
+        if (wide) {
+          _tile_stored(6, sums_.data() + d0 + 2 * kTile, D * 4);
+          _tile_stored(7, sums_.data() + d0 + 3 * kTile, D * 4);
         }
       }
-      for (int64_t c = 0; c < count; ++c) {  // acc = acc * correction + the block's sums
-        const float* sums = sums_.data() + c * kTile * D;
-        for (int64_t r = 0; r < n; ++r) {
-          float* acc = state[r0 + r].acc;
-          const __m512 f = _mm512_set1_ps(correction_[c * kTile + r]);
-          for (int64_t d = 0; d < D; d += kLanes) {
-            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), f,
-                                                      _mm512_loadu_ps(sums + r * D + d)));
-          }
+      for (int64_t r = 0; r < n; ++r) {  // acc = acc * correction + the run's sums
+        float* acc = state[r0 + r].acc;
+        const float* sums = sums_.data() + r * D;
+        const __m512 f = _mm512_set1_ps(correction_[r]);
+        for (int64_t d = 0; d < D; d += kLanes) {
+          _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), f,
+                                                    _mm512_loadu_ps(sums + d)));
         }
       }
     }
@@ -180,7 +208,7 @@ class TileRows {
   void fit_rows(int64_t m) {
     if (m == rows_) return;
     TileConfig config;
-    for (const int t : {kScores, kQuery, kValueSums}) {
+    for (const int t : {kScores, kQuery, kValueSums, kValueSums + 1, kValueSums + 2}) {
       config.colsb[t] = 64;
       config.rows[t] = static_cast<uint8_t>(m);
     }
@@ -196,15 +224,16 @@ class TileRows {
 
   static constexpr int64_t kTile = 16;
   // Tile registers, written as literals in the tile instructions (their operands are register
-  // names): 0 scores, 1 queries, 2 keys, 3 probabilities, 4 values, 5 value sums.
+  // names): 0 scores, 1 queries, 2 keys, 3 probabilities, 4 values, 5-7 (and 0, free by then)
+  // value sums.
   static constexpr int kScores = 0, kQuery = 1, kKeys = 2, kProbs = 3, kValues = 4, kValueSums = 5;
   int64_t dim_, block_size_;
   float scale_;
   std::vector<uint16_t> q_;  // [rows, D] the tile's query rows, copied so tiles load them evenly
-  std::vector<float> scores_;  // [run blocks, 16, B]
-  std::vector<uint16_t> probs_;  // [run blocks, 16, B] bf16
-  std::vector<float> sums_;  // [run blocks, 16, D]
-  std::vector<float> correction_;  // [run blocks, 16]
+  std::vector<float> scores_;  // [16, run blocks * B]
+  std::vector<uint16_t> probs_;  // [16, run blocks * B] bf16
+  std::vector<float> sums_;  // [16, D]
+  std::vector<float> correction_;  // [16]
   int64_t rows_ = 0;  // query rows the tiles are configured for (0: not yet)
 };
 
