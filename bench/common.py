@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float | None
         ax.bar_label(bars, fmt="%.0f", padding=2, fontsize=8)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 75), fontsize=10)  # a long title would run off the figure
     ax.legend()
     ax.margins(y=0.15)
     fig.tight_layout()
