@@ -116,14 +116,21 @@ def test_bf16_linears_are_inductors_amx_gemms_exactly_where_the_cpu_has_tiles() 
     assert backend.compile_options(torch.bfloat16) == (
         amx if {"amx_tile", "amx_bf16"} <= cpu_flags() else {"freezing": True})
     assert backend.compile_options(torch.float32) == {"freezing": True}
+    assert backend.generates_gemms(torch.bfloat16) == ({"amx_tile", "amx_bf16"} <= cpu_flags())
+    assert not backend.generates_gemms(torch.float32)
 
 
 def test_a_sequence_computes_the_same_bits_alone_and_in_a_batch(tiny_llama_dir: str) -> None:
-    # In the dtype this CPU serves (bf16 through inductor's AMX GEMMs where it has them), a row's
-    # arithmetic must not depend on the rows beside it or on a cached prefix, or a streamed request
-    # and its non-streamed twin could part at a near-tie.
+    # In the dtype this CPU serves (bf16 through inductor's AMX GEMMs where it has them, SiLU and
+    # multiply in the up projection's epilogue), a row's arithmetic must not depend on the rows
+    # beside it or on a cached prefix, or a streamed request and its non-streamed twin could part
+    # at a near-tie.
     llm = LLM(tiny_llama_dir, dtype="auto", device="cpu", max_num_seqs=8,
               max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=400)
+    runner = llm.engine.runner
+    mlp = runner.model.model.layers[0].mlp
+    # gate and up stay two GEMMs exactly where the GEMMs are generated (so the epilogue can fuse)
+    assert (mlp.gate_up_proj is None) == runner.backend.generates_gemms(runner.dtype)
     prompt, *others = mixed_prompts(8, seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
     (alone,) = llm.generate([prompt], params)

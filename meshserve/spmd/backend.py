@@ -54,7 +54,7 @@ class Backend:
         # their transposes once and prepacks every linear layer's weight. CompiledPiece applies
         # the options for the whole capture: dynamo reads the freezing flag too.
         options: dict[str, bool | str] = {"freezing": True}
-        if dtype == torch.bfloat16 and torch._C._cpu._is_amx_tile_supported():
+        if self.generates_gemms(dtype):
             # bf16 on AMX: every linear layer becomes inductor's own C++ GEMM on AMX tiles,
             # generated for these weights, instead of a oneDNN call. oneDNN serves a decode's
             # few rows at 12-17 GB/s of weights; the generated GEMMs made decode steps 11%
@@ -64,6 +64,12 @@ class Backend:
             # (one dynamic program serves them all).
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP")
         return options
+
+    def generates_gemms(self, dtype: torch.dtype) -> bool:
+        """Whether the compiled linear layers are inductor's own C++ GEMMs (bf16 on a CPU with
+        AMX tiles), which compute a pointwise op that follows them in their epilogue."""
+        return (self.name == "cpu" and dtype == torch.bfloat16
+                and torch._C._cpu._is_amx_tile_supported())
 
     @property
     def default_token_budget(self) -> int:

@@ -183,11 +183,13 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up matmuls (for backends that do not shard the weights)."""
+    def fuse_projections(self, gate_up: bool = True) -> None:
+        """Fuse q/k/v matmuls, and gate/up ones unless ``gate_up`` is False (for backends that do
+        not shard the weights)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if gate_up:
+                layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.model.embed_tokens.weight if self.config.tie_word_embeddings
