@@ -24,7 +24,10 @@ the client), which tells the edge's share from the engine's and shows the machin
 meshserve's legs also record the engine steps the workload took and their mean time (the
 ``meshserve_engine_steps`` / ``meshserve_engine_execute_seconds`` gauges of /metrics, the
 engine's own counters offline): both run the same schedule, so ``served_step_over_offline`` says
-how much slower a step runs inside the server.
+how much slower a step runs inside the server. ``cpu_wait_share`` (``..._cpu_wait_seconds`` over
+the execute seconds) is the part of a step the stepping thread spent runnable but off its core,
+which another process had taken; its OpenMP partners then wait at the next barrier, so a served
+step loses about twice that share.
 
 Writes ``bench/results/serving.json`` (every round's figures, ratios, CPU split and steps, their
 medians, and the requests of the median round) with that round's latency chart beside it, and
@@ -74,7 +77,8 @@ tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(json.dumps({"output_tokens": tokens, "elapsed_s": elapsed,
                   "output_throughput": tokens / elapsed, "cpu_s": round(cpu, 1),
                   "steps": after.num_steps - before.num_steps,
-                  "execute_s": after.execute_seconds - before.execute_seconds}))
+                  "execute_s": after.execute_seconds - before.execute_seconds,
+                  "cpu_wait_s": after.cpu_wait_seconds - before.cpu_wait_seconds}))
 """
 
 
@@ -160,15 +164,15 @@ def bench_server(server: Server, args: argparse.Namespace
         after = engine_counters(server.url)
         steps = None
         if before is not None and after is not None:
-            steps = step_figures(after[0] - before[0], after[1] - before[1])
+            steps = step_figures(*(a - b for a, b in zip(after, before)))
         return results, cpu.by_kind, steps
     finally:
         server.stop()
 
 
-def engine_counters(url: str) -> tuple[float, float] | None:
-    """The engines' steps and execute seconds so far, from meshserve's /metrics; None where the
-    server does not export them."""
+def engine_counters(url: str) -> tuple[float, float, float] | None:
+    """The engines' steps, execute seconds and CPU-wait seconds so far, from meshserve's
+    /metrics; None where the server does not export them."""
     from prometheus_client.parser import text_string_to_metric_families
 
     response = httpx.get(f"{url}/metrics", timeout=30)
@@ -179,14 +183,18 @@ def engine_counters(url: str) -> tuple[float, float] | None:
               for sample in family.samples}
     if "meshserve_engine_steps" not in values:
         return None
-    return values["meshserve_engine_steps"], values["meshserve_engine_execute_seconds"]
+    return (values["meshserve_engine_steps"], values["meshserve_engine_execute_seconds"],
+            values["meshserve_engine_cpu_wait_seconds"])
 
 
-def step_figures(steps: float, execute_s: float) -> dict[str, float]:
-    """How many engine steps a leg took and how long one took on average: the served and the
-    offline engine run the same schedule, so a slower step is where the edge's cost lands."""
+def step_figures(steps: float, execute_s: float, cpu_wait_s: float) -> dict[str, float]:
+    """How many engine steps a leg took, how long one took on average, and the share of that
+    time the stepping thread waited for a core another process held: the served and the offline
+    engine run the same schedule, so a slower step is where the edge's cost lands, and the wait
+    says how much of it is the processes beside the engine taking its cores."""
     return {"steps": int(steps), "execute_s": round(execute_s, 3),
-            "step_ms": round(1000 * execute_s / steps, 2) if steps else None}
+            "step_ms": round(1000 * execute_s / steps, 2) if steps else None,
+            "cpu_wait_share": round(cpu_wait_s / execute_s, 3) if execute_s else None}
 
 
 def peer_folder(args: argparse.Namespace) -> Path:
@@ -251,7 +259,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
     def offline(index: int) -> tuple[dict, dict[str, float], dict[str, float]]:
         figures = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
         return (figures, {"LLM.generate": figures["cpu_s"]},
-                step_figures(figures["steps"], figures["execute_s"]))
+                step_figures(figures["steps"], figures["execute_s"], figures["cpu_wait_s"]))
 
     def peer_offline(index: int) -> tuple[dict, dict[str, float], None]:
         # its engine runs in a child process: no CPU split, no step counters
@@ -275,8 +283,8 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
             print(f"    CPU-seconds: {_top_cpu(measured['cpu_s'][name])}", flush=True)
             if steps is not None:
                 measured["engine_steps"][name] = steps
-                print(f"    engine: {steps['steps']} steps, {steps['step_ms']} ms a step",
-                      flush=True)
+                print(f"    engine: {steps['steps']} steps, {steps['step_ms']} ms a step, "
+                      f"waiting for a core {steps['cpu_wait_share']} of it", flush=True)
         rounds.append(measured)
     return rounds
 
@@ -378,7 +386,9 @@ def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
               "meshserve_throughput": mid([r["meshserve"]["output_throughput"] for r in records]),
               "http_share_of_offline": mid([r["http_share_of_offline"] for r in records]),
               "served_step_over_offline": mid([r.get("served_step_over_offline")
-                                               for r in records])}
+                                               for r in records]),
+              "served_cpu_wait_share": mid([r["engine_steps"].get("meshserve", {})
+                                            .get("cpu_wait_share") for r in records])}
     if all("proxy" in r for r in records):
         result["proxy_throughput"] = mid([r["proxy"]["output_throughput"] for r in records])
         result["proxy_share_of_offline"] = mid([r["proxy_share_of_offline"] for r in records])

@@ -61,6 +61,9 @@ def test_chunked_prefill_with_32_token_budget(tiny_llama_dir: str, llama_referen
     assert len(one.outputs[0].token_ids) == 4
     assert after.num_steps - before.num_steps == 3 + 3  # chunks 32 + 32 + 6, then 3 decodes
     assert after.execute_seconds > before.execute_seconds
+    # The stepping thread's wait for a core is a part of those seconds.
+    waited = after.cpu_wait_seconds - before.cpu_wait_seconds
+    assert 0.0 <= waited <= after.execute_seconds - before.execute_seconds
 
 
 def test_preemption_when_blocks_run_out(tiny_llama_dir: str, llama_reference) -> None:

@@ -202,5 +202,6 @@ def test_metrics_report_traffic(server) -> None:
     # The engine's own step counters reach /metrics.
     assert m["meshserve_engine_steps"] > 0
     assert m["meshserve_engine_execute_seconds"] > 0
+    assert 0 <= m["meshserve_engine_cpu_wait_seconds"] <= m["meshserve_engine_execute_seconds"]
     assert json.loads(httpx.get(f"{server.url}/v1/models", timeout=30).text)["data"][0][
         "max_model_len"] == 512

@@ -39,3 +39,4 @@ class EngineStats:
     num_preemptions: int
     num_steps: int  # model steps this host ran
     execute_seconds: float  # wall seconds those steps took, sampling included
+    cpu_wait_seconds: float  # of those, the stepping thread's wait for a busy core

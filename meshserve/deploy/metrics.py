@@ -44,6 +44,9 @@ class ServingMetrics:
         self.steps = Gauge("meshserve_engine_steps", "Model steps the engines ran", registry=r)
         self.execute_seconds = Gauge("meshserve_engine_execute_seconds", "Seconds the engines "
                                      "spent running model steps, sampling included", registry=r)
+        self.cpu_wait_seconds = Gauge(
+            "meshserve_engine_cpu_wait_seconds", "Of meshserve_engine_execute_seconds, the seconds "
+            "the engines' stepping threads waited for a core other threads or processes held", registry=r)
 
     def started(self) -> None:
         self.in_flight.inc()
@@ -78,4 +81,5 @@ class ServingMetrics:
         self.prefix_hits.set(sum(e["prefix_cache_hit_tokens"] for e in engines))
         self.steps.set(sum(e["num_steps"] for e in engines))
         self.execute_seconds.set(sum(e["execute_seconds"] for e in engines))
+        self.cpu_wait_seconds.set(sum(e["cpu_wait_seconds"] for e in engines))
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from meshserve.contracts.sampling import FinishReason, SamplingParams
 from meshserve.contracts.step import RunnerOutput, SchedulerOutput
 from meshserve.contracts.tokens import EngineStats, TokenDelta, TokenLogprobs
 from meshserve.engine.block_manager import BlockManager
+from meshserve.engine.cpu_wait import cpu_wait_seconds
 from meshserve.engine.request import Request
 from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.loader import LoadedModel, generation_defaults, load_model
@@ -68,9 +69,12 @@ class EngineCore:
             enforce_eager=config.enforce_eager)
         self.eos_token_ids = self.loaded.config.eos_token_ids
         # Steps run on this host and the seconds spent in them (EngineStats; /metrics): the
-        # engine's own time per step, to tell it from what serving adds around it.
+        # engine's own time per step, to tell it from what serving adds around it. Of those
+        # seconds, cpu_wait_seconds is how long the stepping thread waited for a core that
+        # another thread or process held (see cpu_wait.py).
         self.num_steps = 0
         self.execute_seconds = 0.0
+        self.cpu_wait_seconds = 0.0
         self.structured = StructuredOutputManager(self.loaded.tokenizer,
                                                   self.loaded.config.vocab_size, self.eos_token_ids)
         # What a request that leaves a sampling field unset gets (vLLM's --generation-config).
@@ -164,9 +168,11 @@ class EngineCore:
         """Run a step on this host's runner (followers of a multi-host replica call only this)."""
         if step.is_empty and not step.finished_request_ids:
             return RunnerOutput({})
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), cpu_wait_seconds()
         output = self.runner.execute(step)  # returns once the sampled tokens are on the host
         self.execute_seconds += time.perf_counter() - start
+        if waited is not None:
+            self.cpu_wait_seconds += cpu_wait_seconds() - waited
         self.num_steps += 1
         return output
 
@@ -200,4 +206,4 @@ class EngineCore:
                            bm.num_free_blocks, bm.num_total_blocks, bm.usage,
                            bm.stats.queried_tokens, bm.stats.hit_tokens,
                            self.scheduler.num_preemptions, self.num_steps,
-                           self.execute_seconds)
+                           self.execute_seconds, self.cpu_wait_seconds)
