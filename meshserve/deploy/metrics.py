@@ -46,7 +46,8 @@ class ServingMetrics:
                                      "spent running model steps, sampling included", registry=r)
         self.cpu_wait_seconds = Gauge(
             "meshserve_engine_cpu_wait_seconds", "Of meshserve_engine_execute_seconds, the seconds "
-            "the engines' stepping threads waited for a core other threads or processes held", registry=r)
+            "the engines' stepping threads waited for a core other threads or processes held",
+            registry=r)
 
     def started(self) -> None:
         self.in_flight.inc()
