@@ -1,10 +1,11 @@
 """``EngineClient``: one process's connection to the ``Engine`` deployment.
 
-Every sequence is submitted through the deployment's handle on its own (so ``EngineRouter`` places
-each by load and prefix), but the tokens of all of them come back over one Ray stream per engine
-replica in use, straight from its lead host: each item of that stream is everything one or more
-engine steps produced for this process, which the client fans out to its sequences here,
-in-process. Token traffic is therefore one message per engine step per caller process, whatever
+Every sequence is placed on its own by this process's ``EngineRouter`` (by load and prefix). It
+goes through the deployment's handle the first time a replica is chosen, and straight to that
+replica's lead host (one actor call) once this process streams from it. The tokens of all of them
+come back over one Ray stream per engine replica in use, straight from its lead host: each item
+of that stream is everything one or more engine steps produced for this process, which the client
+fans out to its sequences here, in-process. Token traffic is therefore one message per engine step per caller process, whatever
 the number of sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
@@ -28,7 +29,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from meshserve.actors.channel import next_batch
-from meshserve.actors.messages import (Completion, GenerateSpec, RequestRejected,
+from meshserve.actors.messages import (Completion, GenerateSpec, HostError, RequestRejected,
                                        SequenceError)
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.actors.host import KEEPALIVE_S
@@ -98,7 +99,7 @@ class EngineClient:
         finished = False
         try:
             try:
-                replica_id, lead, error = await self._call("submit", self.channel, spec)
+                replica_id, lead, error = await self._submit(spec)
             except Exception as exc:
                 if replica_lost(exc):
                     gone = getattr(exc, "replica_id", None)  # a ReplicaGone names the replica
@@ -125,6 +126,30 @@ class EngineClient:
             if not finished and replica_id in self._pumps:
                 # The caller left, or a stop string ended it here: free its blocks there now.
                 self._leads[replica_id].abort.remote([request_id])
+
+    async def _submit(self, spec: GenerateSpec) -> tuple[str, object, str | None]:
+        """Queue ``spec`` on the replica this process's router chooses; returns (its id, its lead's
+        handle, an error message or None), as ``EngineReplica.submit`` does.
+
+        Straight to the lead when this process already streams from that replica; otherwise
+        through the handle, pinned to it (the replica answers with its lead). Before this
+        process's first call through the handle no router has started: the handle chooses.
+        """
+        placer = self.book.placer
+        if placer is None:
+            return await self._call("submit", self.channel, spec)
+        replica_id = placer(spec)
+        lead = self._leads.get(replica_id)
+        if lead is None:
+            return await self._call("submit", self.channel, spec, replica_id=replica_id)
+        try:
+            error = (await lead.submit.remote(self.channel, [spec]))[0]
+        except Exception as exc:
+            if isinstance(exc, HostError) or replica_lost(exc):  # the engine stopped, or its host
+                raise ReplicaGone(f"engine replica {replica_id} failed: "
+                                  f"{getattr(exc, 'cause', exc)}", replica_id) from None
+            raise
+        return replica_id, lead, error
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort sequences of this client wherever they run."""

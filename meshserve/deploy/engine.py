@@ -6,10 +6,10 @@ multi-host replica, a ``FollowerHost`` per other host) in its own placement grou
 restarts a replica whose hosts died or whose engine stopped (``check_health``), placement group and
 all. Nothing that happens to a caller rebuilds a replica.
 
-Callers (``client.EngineClient``, one per process) place each sequence through a handle whose
+Callers (``client.EngineClient``, one per process) place each sequence with a handle whose
 ``EngineRouter`` picks the replica: ``submit(channel, spec)`` queues it on the lead and returns the
-lead's handle, and from then on the caller streams its tokens, renews its lease and aborts its
-sequences at the lead directly (``HostActor.outputs`` / ``keepalive`` / ``abort``), so tokens never
+lead's handle, and from then on the caller submits further sequences, streams their tokens, renews
+its lease and aborts its sequences at the lead directly (``HostActor.outputs`` / ``keepalive`` / ``abort``), so tokens never
 pass through a Serve replica. ``stats``, ``info``, ``drain``, and, for Ray programs, ``generate`` /
 ``generate_stream`` (one sequence per call) are here too.
 """
@@ -79,9 +79,11 @@ class EngineReplica:
                 continue
 
     # ------------------------------------------------------------------ callers
-    async def submit(self, channel: str, spec: GenerateSpec) -> tuple[str, object, str | None]:
+    async def submit(self, channel: str, spec: GenerateSpec, replica_id: str | None = None
+                     ) -> tuple[str, object, str | None]:
         """Queue one sequence for ``channel`` on the lead; returns (this replica's id, the lead's
-        handle, an error message or None). The lead raises ``RouterOverloaded`` when it holds
+        handle, an error message or None). ``replica_id`` is for the caller's router (it pins the
+        call to this replica). The lead raises ``RouterOverloaded`` when it holds
         ``max_queued_requests`` sequences, and ``ServerDraining`` after ``drain``."""
         try:
             error = (await self.lead.submit.remote(channel, [spec]))[0]

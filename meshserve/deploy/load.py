@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from meshserve.actors.messages import GenerateSpec, direct_channel
 
@@ -45,6 +46,9 @@ class LoadBook:
         self._finished: dict[str, float] = {}
         self._failed: dict[str, float] = {}
         self.replica_ids: frozenset[str] = frozenset()  # what this process's routers see
+        # The newest router's choice of replica for a sequence (``EngineRouter.place``); None
+        # until this process's first call through a handle has started one.
+        self.placer: Callable[[GenerateSpec], str | None] | None = None
 
     def hold(self, key: str, replica_id: str, tokens: int) -> None:
         """Count ``tokens`` against ``replica_id`` for sequence ``key`` (moving it if held)."""

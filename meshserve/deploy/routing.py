@@ -17,6 +17,11 @@ The policy, per sequence (a call whose first argument, or second for ``submit``,
 - Otherwise the lightest replica; of equals, the one this router chose least recently, so idle
   replicas take turns.
 
+Each router also publishes ``place`` in its process's ``LoadBook``: an ``EngineClient`` that
+already streams from the chosen replica submits there directly, so a sequence costs one actor call
+instead of a Serve call plus the replica's own call to its lead; the choice is the same one, made
+by the same router from the same state.
+
 A call with a ``replica_id`` keyword goes to that replica only (a caller's output stream,
 keep-alives, aborts and stats); if it is gone, the call fails at once with ``ReplicaGone``.
 Replicas whose stream failed in this process are skipped for a while (``LoadBook.mark_failed``),
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 from array import array
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -50,11 +56,22 @@ class EngineRouter(RequestRouter):
         self._picks = itertools.count()
         self._last_pick: dict[str, int] = {}  # replica id -> when this router last chose it
         self._direct: dict[str, str] = {}  # internal request id -> sequence id (generate calls)
+        # Serve runs this router on a thread of its own; clients call ``place`` from theirs.
+        self._lock = threading.Lock()
+        self._book.placer = self.place
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._book.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
-        self._last_pick = {k: v for k, v in self._last_pick.items() if k in self._book.replica_ids}
+        with self._lock:
+            self._book.replica_ids = frozenset(r.replica_id.unique_id for r in replicas)
+            self._last_pick = {k: v for k, v in self._last_pick.items()
+                               if k in self._book.replica_ids}
+
+    def place(self, spec: GenerateSpec) -> str | None:
+        """Choose the replica for ``spec`` among those this router sees and count the sequence
+        against it in the ``LoadBook``; None while it sees none."""
+        candidates = list(self.curr_replicas.values())
+        return self._choose(candidates, spec)[0].replica_id.unique_id if candidates else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -67,17 +84,27 @@ class EngineRouter(RequestRouter):
         if target is not None:
             return self._pinned(candidate_replicas, pending_request, target)
         spec = spec_of(pending_request)
-        live = [r for r in candidate_replicas if not self._book.failed(r.replica_id.unique_id)]
-        live = live or candidate_replicas
         if spec is None:
-            return [live]
-        ranked = self._rank(live, spec)
-        chosen = ranked[0].replica_id.unique_id
-        self._last_pick[chosen] = next(self._picks)
-        self._book.hold(spec.request_id, chosen, sequence_cost(spec))
+            return [self._live(candidate_replicas)]
+        ranked = self._choose(candidate_replicas, spec)
         if pending_request.metadata.call_method != "submit":  # released when the call ends
             self._direct[pending_request.metadata.internal_request_id] = spec.request_id
         return [ranked[:1], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    def _live(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates whose stream has not failed in this process (all, if every one has)."""
+        live = [r for r in candidates if not self._book.failed(r.replica_id.unique_id)]
+        return live or candidates
+
+    def _choose(self, candidates: list[RunningReplica], spec: GenerateSpec
+                ) -> list[RunningReplica]:
+        """``candidates`` best first for ``spec``; the first is recorded as chosen and holds it."""
+        with self._lock:
+            ranked = self._rank(self._live(candidates), spec)
+            chosen = ranked[0].replica_id.unique_id
+            self._last_pick[chosen] = next(self._picks)
+        self._book.hold(spec.request_id, chosen, sequence_cost(spec))
+        return ranked
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         key = self._direct.pop(internal_request_id, None)
