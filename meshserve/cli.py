@@ -1,7 +1,7 @@
 """The ``meshserve`` command: ``serve``, ``bench serve`` and ``k8s render`` / ``write-examples``.
 
 Building the parser loads only plain-data modules (the config dataclasses, the benchmark's and the
-renderer's flags); each handler imports what its command needs (Ray, httpx, YAML) when it runs.
+renderer's flags); each handler imports what its command needs (Ray, aiohttp, YAML) when it runs.
 ``serve``'s setting flags are generated from the config dataclasses (``add_setting_flags``), so a
 flag's type, default and help are the field's own.
 """

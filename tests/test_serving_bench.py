@@ -239,7 +239,7 @@ def test_unreachable_server_fails_every_request_and_exits_1(tmp_path: Path) -> N
     result = asyncio.run(run_benchmark(BenchConfig(url=url, model="m", num_prompts=5,
                                                    concurrency=2, stream=True, timeout=30)))
     assert len(result.requests) == 5 and not result.completed
-    assert all(r.error.startswith("ConnectError") for r in result.requests)
+    assert all(r.error.startswith("ClientConnectorError") for r in result.requests)
 
     output = tmp_path / "serve.json"
     args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m",

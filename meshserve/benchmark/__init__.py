@@ -6,6 +6,6 @@ latency (time to first token, time per output token, inter-token gaps, end to en
 
 Modules: ``results`` (a run's configuration, measurements and statistics), ``prompts``,
 ``stream`` (server-sent events and the timing of one stream), ``client`` (HTTP, the one module
-that needs httpx), ``report`` (table, JSON and chart) and ``cli``. Nothing is imported here, so
+that needs aiohttp), ``report`` (table, JSON and chart) and ``cli``. Nothing is imported here, so
 that registering the subcommand loads none of them.
 """

@@ -1,6 +1,6 @@
 """``meshserve bench serve``: the subcommand's flags, and its handler.
 
-Registering the flags imports nothing heavy; httpx and the client load only when the command runs.
+Registering the flags imports nothing heavy; aiohttp and the client load only when the command runs.
 """
 
 from __future__ import annotations
