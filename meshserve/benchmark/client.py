@@ -76,9 +76,10 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     semaphore = asyncio.Semaphore(config.concurrency)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     connector = aiohttp.TCPConnector(limit=config.concurrency)
+    timeout = aiohttp.ClientTimeout(total=config.timeout)
 
     async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=config.timeout)) as session:
+                                     timeout=timeout) as session:
         async def bounded(prompt: str) -> RequestResult:
             async with semaphore:
                 return await _send(session, config, prompt)

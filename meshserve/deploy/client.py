@@ -5,8 +5,8 @@ goes through the deployment's handle the first time a replica is chosen, and str
 replica's lead host (one actor call) once this process streams from it. The tokens of all of them
 come back over one Ray stream per engine replica in use, straight from its lead host: each item
 of that stream is everything one or more engine steps produced for this process, which the client
-fans out to its sequences here, in-process. Token traffic is therefore one message per engine step per caller process, whatever
-the number of sequences, and no Serve replica relays it.
+fans out to its sequences here, in-process. Token traffic is therefore one message per engine step
+per caller process, whatever the number of sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
 the failed replica); one that had started ends with ``ReplicaFailed``. While it has sequences on a
