@@ -15,6 +15,13 @@ On the same prompts (64 synthetic completions x 64 tokens, EOS ignored, greedy):
    on the same prompts with ``max_num_seqs`` = the concurrency (``vllm_worker.py``), so the
    peer's HTTP share of its own offline engine is measured beside meshserve's.
 
+With ``--idle-floor``, the offline leg also runs once more in each round while meshserve's server
+is up and idle (after its HTTP workload, before it stops): **offline beside the idle server**.
+Its share of the offline figure (``idle_floor_share``) is what the serving processes cost the
+engine with no request in flight (on 2 cores, every wake-up of Ray's and Serve's processes takes
+a core from one of the engine's threads, and its partner waits at the next barrier); the HTTP
+figure over it (``http_share_of_offline_beside``) is what the requests themselves cost.
+
 Every engine runs in the CPU's native dtype unless ``--dtype`` says otherwise. The three legs run
 ``--rounds`` times (3), each round starting one leg later than the last: on a shared VM the same
 leg drifts by more than the gaps measured here, so ratios are taken within a round and reported
@@ -48,6 +55,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -144,11 +152,12 @@ class Server:
         self.log.close()
 
 
-def bench_server(server: Server, args: argparse.Namespace
+def bench_server(server: Server, args: argparse.Namespace, then: Callable[[], None] | None = None
                  ) -> tuple[Any, dict[str, float], dict[str, float] | None]:
-    """Wait for ``server``, run the workload against the model it serves, stop it; returns the
-    results, the CPU-seconds each kind of process spent while the workload ran, and the engine
-    steps the workload took (``step_figures``; None for a server without meshserve's metrics)."""
+    """Wait for ``server``, run the workload against the model it serves (then ``then``, with
+    the server idle), stop it; returns the results, the CPU-seconds each kind of process spent
+    while the workload ran, and the engine steps the workload took (``step_figures``; None for a
+    server without meshserve's metrics)."""
     from meshserve.benchmark.client import run_benchmark, served_model
     from meshserve.benchmark.results import BenchConfig
 
@@ -165,6 +174,8 @@ def bench_server(server: Server, args: argparse.Namespace
         steps = None
         if before is not None and after is not None:
             steps = step_figures(*(a - b for a, b in zip(after, before)))
+        if then is not None:
+            then()
         return results, cpu.by_kind, steps
     finally:
         server.stop()
@@ -225,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rounds of every leg, the order rotating each round (a shared VM drifts "
                         "by more than the gaps measured; medians over rounds are reported)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--idle-floor", action="store_true",
+                   help="also run the offline engine beside meshserve's idle server, each round")
     p.add_argument("--proxy-leg", action="store_true",
                    help="also run meshserve behind Ray Serve's proxy (--edge proxy)")
     p.add_argument("--peer-python", help="python of a venv with vLLM's CPU build")
@@ -244,11 +257,20 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                logs: Path) -> list[dict[str, Any]]:
     """Every leg once per round; each round starts one leg later, so no leg always runs first
     (when the machine is freshest) or right after the same neighbour."""
+    beside: dict[int, dict] = {}  # round -> the offline leg's figures beside the idle server
+
     def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float], Any]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
                          "--dtype", dtype, "--edge", edge], f"http://127.0.0.1:{args.port}",
                         logs / f"meshserve-{edge}-{index}.log", dict(os.environ))
-        return bench_server(server, args)
+
+        def idle_floor() -> None:
+            print(f"round {index}/{args.rounds}: offline beside the idle server", flush=True)
+            beside[index] = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
+            print(_one_line("offline beside the idle server", beside[index]), flush=True)
+
+        return bench_server(server, args, idle_floor if args.idle_floor and edge == "ingress"
+                            else None)
 
     def proxy(index: int) -> tuple[Any, dict[str, float], Any]:
         return meshserve(index, "proxy")
@@ -285,12 +307,14 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                 measured["engine_steps"][name] = steps
                 print(f"    engine: {steps['steps']} steps, {steps['step_ms']} ms a step, "
                       f"waiting for a core {steps['cpu_wait_share']} of it", flush=True)
+        if index + 1 in beside:
+            measured["offline beside idle server"] = beside[index + 1]
         rounds.append(measured)
     return rounds
 
 
 def _one_line(name: str, measured: Any) -> str:
-    if name in ("offline", "peer offline"):
+    if name in ("offline", "peer offline", "offline beside the idle server"):
         return f"  {name}: {measured['output_throughput']:.1f} tok/s"
     s = measured.summary()
     return (f"  {name}: {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} "
@@ -316,6 +340,10 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     if steps.get("meshserve", {}).get("step_ms") and steps.get("offline", {}).get("step_ms"):
         record["served_step_over_offline"] = round(
             steps["meshserve"]["step_ms"] / steps["offline"]["step_ms"], 3)
+    if "offline beside idle server" in measured:
+        floor = record["offline_beside_idle_server"] = measured["offline beside idle server"]
+        record["idle_floor_share"] = share(floor, measured["offline"])
+        record["http_share_of_offline_beside"] = share(ours, floor)
     if "proxy" in measured:
         record["proxy"] = measured["proxy"].summary()
         record["proxy_share_of_offline"] = share(record["proxy"], measured["offline"])
@@ -355,13 +383,16 @@ def main(argv: list[str] | None = None) -> None:
     write_json(json_path, report)
 
     median = report["median"]
-    groups, values = ["meshserve offline", "meshserve HTTP"], [median["offline_throughput"],
+    groups, values = ["meshserve\noffline", "meshserve\nHTTP"], [median["offline_throughput"],
                                                                median["meshserve_throughput"]]
+    if args.idle_floor:
+        groups.insert(1, "offline, idle\nserver beside")
+        values.insert(1, median["offline_beside_idle_server_throughput"])
     if args.proxy_leg:
-        groups.append("meshserve HTTP via Serve's proxy")
+        groups.append("meshserve HTTP via\nServe's proxy")
         values.append(median["proxy_throughput"])
     if args.peer_python:
-        groups += ["vLLM-CPU offline", "vLLM-CPU HTTP"]
+        groups += ["vLLM-CPU\noffline", "vLLM-CPU\nHTTP"]
         values += [median["peer_offline_throughput"], median["peer_throughput"]]
     bar_chart(output.with_name(output.stem + "_throughput.png"), groups, {dtype: values},
               title=f"medians of {args.rounds} rounds: {args.num_prompts} streams x "
@@ -389,6 +420,11 @@ def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
                                                for r in records]),
               "served_cpu_wait_share": mid([r["engine_steps"].get("meshserve", {})
                                             .get("cpu_wait_share") for r in records])}
+    if all("idle_floor_share" in r for r in records):
+        result["offline_beside_idle_server_throughput"] = mid(
+            [r["offline_beside_idle_server"]["output_throughput"] for r in records])
+        for key in ("idle_floor_share", "http_share_of_offline_beside"):
+            result[key] = mid([r[key] for r in records])
     if all("proxy" in r for r in records):
         result["proxy_throughput"] = mid([r["proxy"]["output_throughput"] for r in records])
         result["proxy_share_of_offline"] = mid([r["proxy_share_of_offline"] for r in records])
