@@ -53,9 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -66,6 +66,7 @@ from process_cpu import ProcessCpu
 from vllm_worker import CPU_SETTINGS
 
 MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
+BESIDE = "offline beside the idle server"  # the --idle-floor leg
 _OFFLINE = """
 import json, sys, time
 from meshserve import LLM, SamplingParams
@@ -265,9 +266,9 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                         logs / f"meshserve-{edge}-{index}.log", dict(os.environ))
 
         def idle_floor() -> None:
-            print(f"round {index}/{args.rounds}: offline beside the idle server", flush=True)
+            print(f"round {index}/{args.rounds}: {BESIDE}", flush=True)
             beside[index] = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
-            print(_one_line("offline beside the idle server", beside[index]), flush=True)
+            print(_one_line(BESIDE, beside[index]), flush=True)
 
         return bench_server(server, args, idle_floor if args.idle_floor and edge == "ingress"
                             else None)
@@ -308,13 +309,13 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
                 print(f"    engine: {steps['steps']} steps, {steps['step_ms']} ms a step, "
                       f"waiting for a core {steps['cpu_wait_share']} of it", flush=True)
         if index + 1 in beside:
-            measured["offline beside idle server"] = beside[index + 1]
+            measured[BESIDE] = beside[index + 1]
         rounds.append(measured)
     return rounds
 
 
 def _one_line(name: str, measured: Any) -> str:
-    if name in ("offline", "peer offline", "offline beside the idle server"):
+    if name in ("offline", "peer offline", BESIDE):
         return f"  {name}: {measured['output_throughput']:.1f} tok/s"
     s = measured.summary()
     return (f"  {name}: {s['output_throughput']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} "
@@ -340,8 +341,8 @@ def round_record(measured: dict[str, Any]) -> dict[str, Any]:
     if steps.get("meshserve", {}).get("step_ms") and steps.get("offline", {}).get("step_ms"):
         record["served_step_over_offline"] = round(
             steps["meshserve"]["step_ms"] / steps["offline"]["step_ms"], 3)
-    if "offline beside idle server" in measured:
-        floor = record["offline_beside_idle_server"] = measured["offline beside idle server"]
+    if BESIDE in measured:
+        floor = record["offline_beside_idle_server"] = measured[BESIDE]
         record["idle_floor_share"] = share(floor, measured["offline"])
         record["http_share_of_offline_beside"] = share(ours, floor)
     if "proxy" in measured:
