@@ -10,8 +10,9 @@ Callers (``client.EngineClient``, one per process) place each sequence with a ha
 ``EngineRouter`` picks the replica: ``submit(channel, spec)`` queues it on the lead and returns the
 lead's handle, and from then on the caller submits further sequences, streams their tokens, renews
 its lease and aborts its sequences at the lead directly (``HostActor.submit`` / ``outputs`` /
-``keepalive`` / ``abort``), so tokens never pass through a Serve replica. ``stats``, ``info``, ``drain``, and, for Ray programs, ``generate`` /
-``generate_stream`` (one sequence per call) are here too.
+``keepalive`` / ``abort``), so tokens never pass through a Serve replica. ``stats``, ``info``,
+``drain``, and, for Ray programs, ``generate`` / ``generate_stream`` (one sequence per call) are
+here too.
 """
 
 from __future__ import annotations
