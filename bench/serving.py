@@ -22,6 +22,10 @@ engine with no request in flight (on 2 cores, every wake-up of Ray's and Serve's
 a core from one of the engine's threads, and its partner waits at the next barrier); the HTTP
 figure over it (``http_share_of_offline_beside``) is what the requests themselves cost.
 
+With ``--reserved-cpus N``, meshserve serves with ``--reserved-cpus N`` (its engine pinned to all
+CPUs but the first N, one thread each, leaving those to the serving processes) and its offline
+legs pin themselves the same way, so every meshserve figure is of the same engine.
+
 Every engine runs in the CPU's native dtype unless ``--dtype`` says otherwise. The three legs run
 ``--rounds`` times (3), each round starting one leg later than the last: on a shared VM the same
 leg drifts by more than the gaps measured here, so ratios are taken within a round and reported
@@ -70,7 +74,9 @@ BESIDE = "offline beside the idle server"  # the --idle-floor leg
 _OFFLINE = """
 import json, sys, time
 from meshserve import LLM, SamplingParams
-prompts, max_tokens, concurrency, dtype = json.loads(sys.argv[1])
+from meshserve.actors.cpus import claim_engine_cpus
+prompts, max_tokens, concurrency, dtype, reserved_cpus = json.loads(sys.argv[1])
+claim_engine_cpus(reserved_cpus)  # the served engine's CPUs and threads: the same engine
 llm = LLM(dtype=dtype, max_num_seqs=concurrency)
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 # Warm-up prompts share no leading block with the measured ones: the prefix cache must not
@@ -110,9 +116,10 @@ def run_peer_offline(args: argparse.Namespace, prompts: list[str], dtype: str) -
             "output_throughput": tokens / raw["elapsed_s"]}
 
 
-def run_offline(prompts: list[str], max_tokens: int, concurrency: int, dtype: str) -> dict:
+def run_offline(prompts: list[str], args: argparse.Namespace, dtype: str) -> dict:
     done = subprocess.run([sys.executable, "-c", _OFFLINE,
-                           json.dumps([prompts, max_tokens, concurrency, dtype])],
+                           json.dumps([prompts, args.max_tokens, args.concurrency, dtype,
+                                       args.reserved_cpus])],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     if done.returncode:
         raise RuntimeError(f"the offline run failed:\n{done.stderr[-3000:]}")
@@ -237,6 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rounds of every leg, the order rotating each round (a shared VM drifts "
                         "by more than the gaps measured; medians over rounds are reported)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="meshserve's --reserved-cpus; its offline legs then compute on the same "
+                        "CPUs with the same threads")
     p.add_argument("--idle-floor", action="store_true",
                    help="also run the offline engine beside meshserve's idle server, each round")
     p.add_argument("--proxy-leg", action="store_true",
@@ -262,12 +272,13 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
 
     def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float], Any]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
-                         "--dtype", dtype, "--edge", edge], f"http://127.0.0.1:{args.port}",
+                         "--dtype", dtype, "--edge", edge, "--reserved-cpus",
+                         str(args.reserved_cpus)], f"http://127.0.0.1:{args.port}",
                         logs / f"meshserve-{edge}-{index}.log", dict(os.environ))
 
         def idle_floor() -> None:
             print(f"round {index}/{args.rounds}: {BESIDE}", flush=True)
-            beside[index] = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
+            beside[index] = run_offline(prompts, args, dtype)
             print(_one_line(BESIDE, beside[index]), flush=True)
 
         return bench_server(server, args, idle_floor if args.idle_floor and edge == "ingress"
@@ -280,7 +291,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
         return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args)
 
     def offline(index: int) -> tuple[dict, dict[str, float], dict[str, float]]:
-        figures = run_offline(prompts, args.max_tokens, args.concurrency, dtype)
+        figures = run_offline(prompts, args, dtype)
         return (figures, {"LLM.generate": figures["cpu_s"]},
                 step_figures(figures["steps"], figures["execute_s"], figures["cpu_wait_s"]))
 
@@ -379,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(json_path.read_text())
     report["rounds"] = records
     report["median"] = medians(records)
-    report["offline_settings"] = {"dtype": dtype, "max_num_seqs": args.concurrency}
+    report["offline_settings"] = {"dtype": dtype, "max_num_seqs": args.concurrency,
+                                  "reserved_cpus": args.reserved_cpus}
     report["bench_machine"] = machine_info()
     write_json(json_path, report)
 

@@ -80,14 +80,20 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshserve serve: {exc}", file=sys.stderr)
         return 2
-    if not args.address:  # the server will listen on this machine: a clear error now, not a
-        # replica that fails to bind once the model has loaded
+    if not args.address:  # the server and its hosts run on this machine: clear errors now, not
+        # a replica that fails to bind or to claim its CPUs once the model has loaded
+        from meshserve.actors.cpus import split_cpus
         from meshserve.deploy.listener import listening_socket
 
         try:
             listening_socket(args.host, args.port, shared=False).close()
         except OSError as exc:
             print(f"meshserve serve: {exc.strerror}", file=sys.stderr)
+            return 2
+        try:
+            split_cpus(settings.reserved_cpus)
+        except ValueError as exc:
+            print(f"meshserve serve: {exc}", file=sys.stderr)
             return 2
     logging_config = quiet_logs(args.log_level)
     import ray

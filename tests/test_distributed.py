@@ -340,6 +340,27 @@ def test_start_host_serves_a_batch_job_and_streams(cluster, reference, tiny_llam
         ray.kill(host)
 
 
+@slow
+def test_a_host_that_reserves_cpus_computes_on_the_rest_and_generates_the_same(
+        cluster, reference, tiny_llama_dir):
+    allowed = sorted(os.sched_getaffinity(0))  # the cluster's nodes all run on this machine
+    reserved = len(allowed) - 1
+    host = start_host(_settings(tiny_llama_dir).engine, reserved_cpus=reserved)
+    try:
+        info = ray.get(host.info.remote(), timeout=300)
+        assert info.engine_cpus == tuple(allowed[reserved:])
+        threads = {tid: psutil.Process(tid).cpu_affinity()
+                   for tid in (t.id for t in psutil.Process(info.pid).threads())}
+        # The engine's thread (and any it started) on the CPUs left; Ray's main thread anywhere.
+        assert list(info.engine_cpus) in threads.values()
+        assert threads[info.pid] == allowed
+        prompts = _tokens(reference, PROMPTS)
+        completions = ray.get([host.generate.remote(p, GREEDY) for p in prompts], timeout=120)
+        assert [list(c.token_ids) for c in completions] == _expected(reference, prompts, GREEDY)
+    finally:
+        ray.kill(host)
+
+
 # --- Multi-host replicas: lockstep ----------------------------------------------------------
 
 

@@ -6,8 +6,9 @@ For Ray programs (batch jobs) the public names are here::
     completion = ray.get(host.generate.remote(prompt_token_ids, SamplingParams(max_tokens=32)))
 
 Modules: ``messages`` (what routers and hosts send each other), ``engine_host`` (what every host
-does), ``host`` (the lead ``HostActor``), ``lockstep`` (followers of a multi-host replica),
-``channel`` (reading an output stream), ``placement`` and ``replica``.
+does), ``cpus`` (the CPUs its engine computes on), ``host`` (the lead ``HostActor``), ``lockstep``
+(followers of a multi-host replica), ``channel`` (reading an output stream), ``placement`` and
+``replica``.
 """
 
 from __future__ import annotations

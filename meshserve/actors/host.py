@@ -53,13 +53,13 @@ KEEPALIVE_S = 1.0
 
 class HostActor(EngineHost):
     """Owns an engine on one host and serves it. Start it with ``start_host`` (or
-    ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica, and
+    ``ray.remote(HostActor)``); ``followers`` are the other hosts of a multi-host replica,
     ``max_requests`` (if set) the requests it holds before ``submit`` answers
-    ``RouterOverloaded``."""
+    ``RouterOverloaded``, and ``reserved_cpus`` the host's CPUs its engine leaves to the serving
+    processes (``actors/cpus.py``)."""
 
-    def __init__(self, config: EngineConfig, host_index: int = 0,
-                 num_threads: int | None = None, followers: Sequence = (),
-                 max_requests: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, host_index: int = 0, reserved_cpus: int = 0,
+                 followers: Sequence = (), max_requests: int | None = None) -> None:
         self._lockstep = Lockstep(followers) if followers else None
         self._inbox: queue.Queue = queue.Queue()
         # Event-loop state only: the engine thread never reads or writes it.
@@ -82,7 +82,7 @@ class HostActor(EngineHost):
         # tok/s).
         built = concurrent.futures.Future()
         self._thread = threading.Thread(
-            target=self._serve, args=(built, config, host_index, num_threads, followers),
+            target=self._serve, args=(built, config, host_index, reserved_cpus, followers),
             name="engine", daemon=True)
         self._thread.start()
         built.result()  # a failed build raises here, as a constructor's error
@@ -289,11 +289,11 @@ class HostActor(EngineHost):
 
     # ------------------------------------------------------------------ engine thread
     def _serve(self, built: concurrent.futures.Future, config: EngineConfig, host_index: int,
-               num_threads: int | None, followers: Sequence) -> None:
+               reserved_cpus: int, followers: Sequence) -> None:
         """The engine thread: build the engine (and agree on its cache with the followers), then
         step it for as long as the actor lives."""
         try:
-            super().__init__(config, host_index, num_threads, allocate=not followers)
+            super().__init__(config, host_index, reserved_cpus, allocate=not followers)
             if followers:  # every host has measured its memory; all allocate the smallest figure
                 agree_on_kv_cache(self.engine, followers)
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
@@ -345,13 +345,15 @@ class HostActor(EngineHost):
 
 
 def start_host(config: EngineConfig | None = None, *, num_cpus: float = 1.0,
-               **actor_options) -> ActorHandle:
+               reserved_cpus: int = 0, **actor_options) -> ActorHandle:
     """Start one ``HostActor`` on the connected Ray cluster and return its handle.
 
-    ``actor_options`` go to ``.options()`` (``resources``, ``scheduling_strategy``, ``name``...).
-    The handle is usable at once; calls wait until the engine has loaded.
+    ``reserved_cpus``: CPUs of its node the engine leaves to other processes (``actors/cpus.py``;
+    ``info().engine_cpus`` says which it took). ``actor_options`` go to ``.options()``
+    (``resources``, ``scheduling_strategy``, ``name``...). The handle is usable at once; calls
+    wait until the engine has loaded.
     """
     import ray
 
     return ray.remote(HostActor).options(num_cpus=num_cpus, **actor_options).remote(
-        config or EngineConfig())
+        config or EngineConfig(), reserved_cpus=reserved_cpus)

@@ -116,10 +116,10 @@ class FollowerHost(EngineHost):
     _pending: tuple[int, PreparedStep | None] | None = None
 
     def __init__(self, config: EngineConfig, host_index: int = 0,
-                 num_threads: int | None = None) -> None:
+                 reserved_cpus: int = 0) -> None:
         # Load and place the weights, measure what is left; the lead then settles the cache size
         # (``agree_on_kv_cache``), which is why no info() is answered before allocate().
-        super().__init__(config, host_index, num_threads, allocate=False)
+        super().__init__(config, host_index, reserved_cpus, allocate=False)
 
     def kv_blocks_available(self) -> int:
         return self.engine.kv_blocks_available

@@ -63,6 +63,7 @@ class HostInfo:
     block_size: int
     tpu_env: dict[str, str] = field(default_factory=dict)  # the TPU runtime variables it runs with
     pid: int = 0  # the actor's process, for operators (and fault-injection tests)
+    engine_cpus: tuple[int, ...] = ()  # the CPUs its engine computes on (see reserved_cpus)
 
     @property
     def prompt_limits(self) -> PromptLimits:

@@ -50,10 +50,10 @@ class ReplicaGroup:
 def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
                   follower_class: type[FollowerHost] = FollowerHost,
                   max_requests: int | None = None,
-                  env: dict[str, str] | None = None) -> ReplicaGroup:
+                  env: dict[str, str] | None = None, reserved_cpus: int = 0) -> ReplicaGroup:
     """Start one replica's actors in its slots (lead first; anything with ``actor_options()``);
     returns before they have loaded. ``max_requests`` goes to the lead (``HostActor``), ``env``
-    into every host's environment.
+    into every host's environment, ``reserved_cpus`` to every host (``actors/cpus.py``).
 
     Every host starts at once: on a TPU slice the runtime connects all of a slice's hosts when it
     starts, so none may wait for another. ``follower_class`` lets tests inject a faulty follower.
@@ -67,9 +67,11 @@ def start_replica(slots: Sequence[HostSlot], config: EngineConfig, *,
         return opts
 
     followers = [ray.remote(follower_class).options(**options(slot))
-                 .remote(config, host_index=h) for h, slot in enumerate(slots[1:], start=1)]
+                 .remote(config, host_index=h, reserved_cpus=reserved_cpus)
+                 for h, slot in enumerate(slots[1:], start=1)]
     lead = ray.remote(HostActor).options(**options(slots[0])).remote(
-        config, host_index=0, followers=followers, max_requests=max_requests)
+        config, host_index=0, reserved_cpus=reserved_cpus, followers=followers,
+        max_requests=max_requests)
     return ReplicaGroup(lead, followers)
 
 

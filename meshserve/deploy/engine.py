@@ -53,7 +53,8 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.group = start_replica(placement.host_slots(), settings.engine,
                                    max_requests=settings.max_queued_requests,
-                                   env=settings.host_env())
+                                   env=settings.host_env(),
+                                   reserved_cpus=settings.reserved_cpus)
         settings.lower_priority()  # this process only supervises
         self.lead = self.group.lead
         # The lead answers once every host has loaded (and agreed on the cache).

@@ -36,6 +36,11 @@ class ServeSettings:
         "leaving the core to other processes but waking late for the next region: 17% slower "
         "on 2 cores), or active (it spins, even while the engine is idle)", "default",
         choices=OMP_WAIT_POLICIES)
+    reserved_cpus: int = setting(
+        "CPUs of each host left to the serving processes (ingress, Ray, the engine replica): the "
+        "host's engine is pinned to the others, one thread each, so those processes run beside "
+        "it instead of preempting it. 0: the engine takes every CPU. It pays on many cores; on 2 "
+        "it halves the engine (bench/README.md)", 0)
     edge_nice: int = setting(
         "niceness added to the ingress and engine-replica processes (0-19): where they share "
         "cores with the engines, the engines win", 10)
@@ -53,6 +58,8 @@ class ServeSettings:
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ValueError(f"omp_wait_policy: must be one of {', '.join(OMP_WAIT_POLICIES)}, "
                              f"got {self.omp_wait_policy!r}")
+        if not isinstance(self.reserved_cpus, int) or self.reserved_cpus < 0:
+            raise ValueError(f"reserved_cpus: must be an integer >= 0, got {self.reserved_cpus!r}")
         if not isinstance(self.edge_nice, int) or not 0 <= self.edge_nice <= 19:
             raise ValueError(f"edge_nice: must be an integer in [0, 19], got {self.edge_nice!r}")
 
