@@ -396,6 +396,19 @@ def main(argv: list[str] | None = None) -> None:
     write_json(json_path, report)
 
     median = report["median"]
+    throughput_chart(output.with_name(output.stem + "_throughput.png"), median, args, dtype,
+                     report["bench_machine"]["cpu_model"])
+    print(format_table(chosen["meshserve"]), flush=True)
+    if "peer" in chosen:
+        print(format_table(chosen["peer"]), flush=True)
+        print(format_comparison(chosen["meshserve"], chosen["peer"]), flush=True)
+    print(f"medians over {args.rounds} rounds: {json.dumps(median)}", flush=True)
+    print(f"wrote {json_path}, {png_path}", flush=True)
+
+
+def throughput_chart(path: Path, median: dict[str, float | None], args: argparse.Namespace,
+                     dtype: str, cpu_model: str) -> None:
+    """The median throughput of every leg the run had, one bar each."""
     groups, values = ["meshserve\noffline", "meshserve\nHTTP"], [median["offline_throughput"],
                                                                median["meshserve_throughput"]]
     if args.idle_floor:
@@ -407,17 +420,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.peer_python:
         groups += ["vLLM-CPU\noffline", "vLLM-CPU\nHTTP"]
         values += [median["peer_offline_throughput"], median["peer_throughput"]]
-    bar_chart(output.with_name(output.stem + "_throughput.png"), groups, {dtype: values},
+    reserved = (f"; meshserve with --reserved-cpus {args.reserved_cpus}"
+                if args.reserved_cpus else "")
+    bar_chart(path, groups, {dtype: values},
               title=f"medians of {args.rounds} rounds: {args.num_prompts} streams x "
-                    f"{args.max_tokens} tokens, concurrency {args.concurrency}; "
-                    f"{report['bench_machine']['cpu_model']} (CPU figures)",
+                    f"{args.max_tokens} tokens, concurrency {args.concurrency}{reserved}; "
+                    f"{cpu_model} (CPU figures)",
               ylabel="output tokens/s")
-    print(format_table(chosen["meshserve"]), flush=True)
-    if "peer" in chosen:
-        print(format_table(chosen["peer"]), flush=True)
-        print(format_comparison(chosen["meshserve"], chosen["peer"]), flush=True)
-    print(f"medians over {args.rounds} rounds: {json.dumps(median)}", flush=True)
-    print(f"wrote {json_path}, {png_path}", flush=True)
 
 
 def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
