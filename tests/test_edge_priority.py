@@ -42,11 +42,16 @@ print(json.dumps({"before": before, "after": after}))
 """
 
 
-def _lowered(edge_nice: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _LOWER], capture_output=True, text=True,
-                          env={"EDGE_NICE": str(edge_nice), "PATH": "/usr/bin:/bin"}, timeout=120)
+def _report(script: str, env: dict[str, str]) -> dict:
+    """Run ``script`` in a fresh interpreter with ``env``; the JSON it printed last."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _lowered(edge_nice: int) -> dict:
+    return _report(_LOWER, {"EDGE_NICE": str(edge_nice), "PATH": "/usr/bin:/bin"})
 
 
 def test_lower_priority_lowers_every_thread_of_the_process() -> None:
@@ -118,10 +123,7 @@ print(json.dumps(seen))
 
 
 def _claimed(reserved: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CLAIM], capture_output=True, text=True,
-                          env={**os.environ, "RESERVED": str(reserved)}, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _report(_CLAIM, {**os.environ, "RESERVED": str(reserved)})
 
 
 def test_the_engine_thread_is_pinned_to_the_cpus_left_and_its_threads_inherit_them() -> None:
