@@ -42,8 +42,9 @@ class ServeSettings:
         "it instead of preempting it. 0: the engine takes every CPU. It pays on many cores; on 2 "
         "it halves the engine (bench/README.md)", 0)
     edge_nice: int = setting(
-        "niceness added to the ingress and engine-replica processes (0-19): where they share "
-        "cores with the engines, the engines win", 10)
+        "niceness added to the ingress and engine-replica processes (0-19), on top of the 15 "
+        "Ray starts every worker with (the host actors too; the sum stops at 19): where they "
+        "share cores with the engines, the engines win", 10)
     max_body_bytes: int = setting("largest HTTP request body accepted, in bytes", 4 * 2**20)
     api_key: str | None = setting(
         f"require this bearer token on /v1 routes (or set {DEFAULT_API_KEY_ENV})", None)
