@@ -73,30 +73,27 @@ def server_processes(server: Server) -> dict[str, list[int]]:
     return kinds
 
 
-def _threads(pid: int) -> tuple[int, float]:
-    """Context switches and CPU-seconds so far, summed over the process's threads; (0, 0.0) for
-    a process that is gone. A thread at rest switches out only to sleep, so each of its switches
-    is one wake-up."""
-    switches, ticks = 0, 0
-    task = Path(f"/proc/{pid}/task")
+def _switches_and_cpu(pid: int) -> tuple[int, float]:
+    """Context switches summed over the process's threads (``/proc`` counts them per thread; a
+    thread at rest switches out only to sleep, so each is one wake-up) and the process's
+    CPU-seconds so far; (0, 0.0) for a process that is gone."""
     try:
-        for thread in task.iterdir():
-            status = (thread / "status").read_text()
-            switches += sum(int(line.split(":")[1]) for line in status.splitlines()
-                            if "ctxt_switches:" in line)  # voluntary and not
-            fields = (thread / "stat").read_text().rpartition(")")[2].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+        switches = sum(int(line.split(":")[1])
+                       for thread in Path(f"/proc/{pid}/task").iterdir()
+                       for line in (thread / "status").read_text().splitlines()
+                       if "ctxt_switches:" in line)  # voluntary and not
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except (OSError, ValueError):
-        pass
-    return switches, ticks / TICKS_PER_S
+        return 0, 0.0
+    return switches, (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime + stime, ticks
 
 
 def at_rest(kinds: dict[str, list[int]], seconds: float) -> dict[str, dict[str, float]]:
     """kind -> CPU share of one core (%) and wake-ups a second, over ``seconds`` of idleness."""
     pids = [pid for group in kinds.values() for pid in group]
-    before = {pid: _threads(pid) for pid in pids}
+    before = {pid: _switches_and_cpu(pid) for pid in pids}
     time.sleep(seconds)  # the measurement window itself, not a wait for a condition
-    after = {pid: _threads(pid) for pid in pids}
+    after = {pid: _switches_and_cpu(pid) for pid in pids}
     rest = {}
     for kind, group in kinds.items():
         switches = sum(after[pid][0] - before[pid][0] for pid in group)
