@@ -60,7 +60,8 @@ def add_setting_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     ``max_num_seqs``), typed, defaulted and described by the field itself."""
     for s in flat_settings(cls):
         flag = "--" + s.name.replace("_", "-")
-        described = s.help if s.default is None else f"{s.help} (default: %(default)s)"
+        text = s.help.replace("%", "%%")  # argparse formats help with %: a literal % is %%
+        described = text if s.default is None else f"{text} (default: %(default)s)"
         if s.kind is bool:  # --name and --no-name
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=s.default,
                                 help=described)

@@ -213,3 +213,21 @@ def test_every_config_field_has_help() -> None:
     missing = [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
                if not f.metadata.get("help")]
     assert missing == []
+
+
+def test_every_flag_help_renders_as_its_setting_says() -> None:
+    # argparse formats help text with %: a setting's "17% slower" must not swallow the argument's
+    # attributes into the text.
+    import argparse
+
+    from meshserve.cli import add_setting_flags
+    from meshserve.config import flat_settings
+    from meshserve.deploy.settings import ServeSettings
+
+    parser = argparse.ArgumentParser(formatter_class=lambda prog: argparse.HelpFormatter(
+        prog, width=10_000))
+    add_setting_flags(parser, ServeSettings)
+    rendered = parser.format_help()
+    assert "option_strings" not in rendered
+    for s in flat_settings(ServeSettings):
+        assert s.help in rendered, s.name
