@@ -42,7 +42,10 @@ step loses about twice that share.
 
 Writes ``bench/results/serving.json`` (every round's figures, ratios, CPU split and steps, their
 medians, and the requests of the median round) with that round's latency chart beside it, and
-``serving_throughput.png`` (medians). CPU figures only.
+``serving_throughput.png`` (medians). With a peer it also pools every round's requests
+(``pooled_against_peer``): TTFT and TPOT medians over all of them, their ratios, and a 90%
+interval from resampling whole rounds, since one round's TTFT p50 jumps between waves of first
+tokens. CPU figures only.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from common import REPO_ROOT, bar_chart, machine_info, write_json
 from offline import export_hf_folder, native_dtypes
@@ -390,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads(json_path.read_text())
     report["rounds"] = records
     report["median"] = medians(records)
+    if args.peer_python:
+        report["pooled_against_peer"] = pooled_against_peer(rounds)
     report["offline_settings"] = {"dtype": dtype, "max_num_seqs": args.concurrency,
                                   "reserved_cpus": args.reserved_cpus}
     report["bench_machine"] = machine_info()
@@ -403,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(chosen["peer"]), flush=True)
         print(format_comparison(chosen["meshserve"], chosen["peer"]), flush=True)
     print(f"medians over {args.rounds} rounds: {json.dumps(median)}", flush=True)
+    if args.peer_python:
+        print(f"every round's requests pooled: {json.dumps(report['pooled_against_peer'])}",
+              flush=True)
     print(f"wrote {json_path}, {png_path}", flush=True)
 
 
@@ -427,6 +436,40 @@ def throughput_chart(path: Path, median: dict[str, float | None], args: argparse
                     f"{args.max_tokens} tokens, concurrency {args.concurrency}{reserved}; "
                     f"{cpu_model} (CPU figures)",
               ylabel="output tokens/s")
+
+
+def pooled_against_peer(rounds: list[dict[str, Any]], resamples: int = 2000
+                        ) -> dict[str, Any]:
+    """TTFT and TPOT medians over every round's requests together, meshserve's over the peer's.
+
+    One round's TTFT p50 falls where a wave of first tokens changes step, so it jumps by a step
+    between identical runs; pooling the rounds' requests spreads the median over many wave
+    edges. The interval comes from resampling whole rounds (requests within a round share their
+    waves, so they are not independent draws); the 5th and 95th percentile of the ratio."""
+    def latencies(leg: str, name: str) -> list[np.ndarray]:
+        return [np.array([getattr(r, name) for r in measured[leg].completed
+                          if getattr(r, name) is not None]) for measured in rounds]
+
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {"rounds": len(rounds)}
+    for name in ("ttft", "tpot"):
+        ours, theirs = latencies("meshserve", name), latencies("peer", name)
+        if not all(len(a) for a in ours + theirs):
+            continue
+        ratio = float(np.median(np.concatenate(ours)) / np.median(np.concatenate(theirs)))
+        draws = []
+        for _ in range(resamples):
+            picked = rng.integers(len(rounds), size=len(rounds))
+            draws.append(np.median(np.concatenate([ours[i] for i in picked]))
+                         / np.median(np.concatenate([theirs[i] for i in picked])))
+        low, high = np.percentile(draws, [5, 95])
+        result[f"meshserve_{name}_p50_ms"] = round(float(np.median(np.concatenate(ours))) * 1000, 1)
+        result[f"peer_{name}_p50_ms"] = round(float(np.median(np.concatenate(theirs))) * 1000, 1)
+        result[f"{name}_p50_ratio"] = round(ratio, 3)
+        result[f"{name}_p50_ratio_90pct"] = [round(float(low), 3), round(float(high), 3)]
+        result[f"rounds_{name}_p50_at_or_below_peer"] = sum(
+            float(np.median(a)) <= float(np.median(b)) for a, b in zip(ours, theirs))
+    return result
 
 
 def medians(records: list[dict[str, Any]]) -> dict[str, float | None]:
