@@ -64,17 +64,20 @@ def test_every_ingress_replica_listens_on_the_serve_port_and_no_proxy_runs(serve
     assert processes(server.process.pid, "ProxyActor") == []
 
 
-def test_serves_background_loops_run_at_the_calm_pace_on_its_own_ray(server) -> None:
-    # cli.py slows Serve's controller loop and the replicas' metrics export before its local Ray
-    # starts, so every process of that cluster runs with them.
-    from meshserve.cli import CALM_SERVE_ENV
+def test_ray_and_serve_background_loops_run_at_the_calm_pace_on_its_own_ray(server) -> None:
+    # cli.py slows Serve's controller loop, the replicas' metrics export and Ray's log and
+    # autoscaler monitors before its local Ray starts, so every process of that cluster runs
+    # with them.
+    from meshserve.cli import CALM_RAY_ENV
 
     pids = [*processes(server.process.pid, "ServeController"),
-            *processes(server.process.pid, INGRESS)]
-    assert len(pids) == 3, pids
+            *processes(server.process.pid, INGRESS),
+            *processes(server.process.pid, "ray/_private/log_monitor.py"),
+            *processes(server.process.pid, "ray/autoscaler/_private/monitor.py")]
+    assert len(pids) == 5, pids
     for pid in pids:
         env = psutil.Process(pid).environ()
-        assert {name: env.get(name) for name in CALM_SERVE_ENV} == CALM_SERVE_ENV, pid
+        assert {name: env.get(name) for name in CALM_RAY_ENV} == CALM_RAY_ENV, pid
 
 
 def test_64_streams_through_two_ingress_replicas_equal_their_twins(server) -> None:
