@@ -450,22 +450,23 @@ def pooled_against_peer(rounds: list[dict[str, Any]], resamples: int = 2000
         return [np.array([getattr(r, name) for r in measured[leg].completed
                           if getattr(r, name) is not None]) for measured in rounds]
 
+    def pooled(per_round: list[np.ndarray]) -> float:
+        return float(np.median(np.concatenate(per_round)))
+
     rng = np.random.default_rng(0)
     result: dict[str, Any] = {"rounds": len(rounds)}
     for name in ("ttft", "tpot"):
         ours, theirs = latencies("meshserve", name), latencies("peer", name)
         if not all(len(a) for a in ours + theirs):
             continue
-        ratio = float(np.median(np.concatenate(ours)) / np.median(np.concatenate(theirs)))
         draws = []
         for _ in range(resamples):
             picked = rng.integers(len(rounds), size=len(rounds))
-            draws.append(np.median(np.concatenate([ours[i] for i in picked]))
-                         / np.median(np.concatenate([theirs[i] for i in picked])))
+            draws.append(pooled([ours[i] for i in picked]) / pooled([theirs[i] for i in picked]))
         low, high = np.percentile(draws, [5, 95])
-        result[f"meshserve_{name}_p50_ms"] = round(float(np.median(np.concatenate(ours))) * 1000, 1)
-        result[f"peer_{name}_p50_ms"] = round(float(np.median(np.concatenate(theirs))) * 1000, 1)
-        result[f"{name}_p50_ratio"] = round(ratio, 3)
+        result[f"meshserve_{name}_p50_ms"] = round(pooled(ours) * 1000, 1)
+        result[f"peer_{name}_p50_ms"] = round(pooled(theirs) * 1000, 1)
+        result[f"{name}_p50_ratio"] = round(pooled(ours) / pooled(theirs), 3)
         result[f"{name}_p50_ratio_90pct"] = [round(float(low), 3), round(float(high), 3)]
         result[f"rounds_{name}_p50_at_or_below_peer"] = sum(
             float(np.median(a)) <= float(np.median(b)) for a, b in zip(ours, theirs))
