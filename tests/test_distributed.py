@@ -390,11 +390,16 @@ def test_a_follower_out_of_step_fails_every_stream_of_the_replica(cluster, refer
     group = start_replica(placement.replicas[0], settings.engine,
                           follower_class=DivergentFollower)
     try:
+        # What the replica's supervisor keeps pending (EngineReplica._watch_lead).
+        stopped = group.lead.stopped.remote()
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         calls = [group.lead.generate.remote(p, params) for p in _tokens(reference, PROMPTS[:2])]
+        ready, _ = ray.wait([stopped], timeout=0)
+        assert not ready  # pending while the engine serves
         for call in calls:
             with pytest.raises(HostError, match="host 1 fell out of step at step 3"):
                 ray.get(call, timeout=120)
+        assert "host 1 fell out of step at step 3" in ray.get(stopped, timeout=10)
         with pytest.raises(HostError, match="out of step"):  # and it takes no more work
             ray.get(group.lead.generate.remote((1, 2, 3), params), timeout=60)
     finally:

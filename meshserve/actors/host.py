@@ -49,6 +49,9 @@ logger = logging.getLogger("meshserve.host")
 
 LEASE_S = 15.0  # a subscriber silent this long is gone; EngineClient renews every KEEPALIVE_S
 KEEPALIVE_S = 1.0
+# How often ``stopped`` looks at the engine, inside this process: a lockstep step stuck past its
+# deadline raises nowhere, so it can only be found by looking.
+STOP_CHECK_S = 0.5
 
 
 class HostActor(EngineHost):
@@ -179,6 +182,16 @@ class HostActor(EngineHost):
         """Raise ``HostError`` if the engine stopped or is stuck."""
         if self.failure is not None:
             raise HostError(self.failure)
+
+    async def stopped(self) -> str:
+        """Wait until the engine stops or gets stuck; return why (what ``health`` would raise).
+
+        A supervisor keeps one call pending instead of asking ``health`` over Ray twice a second:
+        the waiting costs a timer here, and if this actor dies, the caller's pending call fails
+        with ``RayActorError`` at once."""
+        while (failure := self.failure) is None:
+            await asyncio.sleep(STOP_CHECK_S)
+        return failure
 
     async def drain(self, timeout_s: float) -> dict:
         """Take no new requests; let running ones finish for up to ``timeout_s``, then end the

@@ -40,7 +40,6 @@ logger = logging.getLogger("meshserve.engine")
 bind_serve_grpc_to_node_ip()
 
 HEALTH_TIMEOUT_S = 10.0  # a lead that cannot answer this fast is as good as gone
-WATCH_S = 0.5  # how often the replica makes sure its lead host is alive and its engine running
 
 
 class EngineReplica:
@@ -66,19 +65,18 @@ class EngineReplica:
 
     async def _watch_lead(self) -> None:
         """Leave as soon as the lead host died or its engine stopped: Serve then starts a new
-        replica at once (placement group and all), and callers stop choosing this one."""
+        replica at once (placement group and all), and callers stop choosing this one. One call
+        stays pending on the lead for the replica's life; a lead that hangs instead is Serve's
+        health check's to find (``check_health``)."""
         import ray
 
-        while True:
-            await asyncio.sleep(WATCH_S)
-            try:
-                await asyncio.wait_for(self.lead.health.remote(), HEALTH_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, HostError) as exc:
-                logger.error("engine replica %s: %s; leaving so that Serve replaces it",
-                             self.replica_id, getattr(exc, "cause", exc))
-                os._exit(1)
-            except asyncio.TimeoutError:  # busy, not gone: Serve's own health check decides
-                continue
+        try:
+            reason = await self.lead.stopped.remote()
+        except ray.exceptions.RayActorError as exc:
+            reason = str(getattr(exc, "cause", exc))
+        logger.error("engine replica %s: %s; leaving so that Serve replaces it",
+                     self.replica_id, reason)
+        os._exit(1)
 
     # ------------------------------------------------------------------ callers
     async def submit(self, channel: str, spec: GenerateSpec, replica_id: str | None = None
@@ -90,8 +88,8 @@ class EngineReplica:
         try:
             error = (await self.lead.submit.remote(channel, [spec]))[0]
         except HostError as exc:
-            # The engine stopped; this replica leaves within WATCH_S. Until Serve notices, say
-            # which replica failed, so the caller places the sequence on another one.
+            # The engine stopped; this replica leaves at once (_watch_lead). Until Serve
+            # notices, say which replica failed, so the caller places the sequence elsewhere.
             raise ReplicaGone(f"engine replica {self.replica_id} failed: "
                               f"{getattr(exc, 'cause', exc)}", self.replica_id) from None
         return self.replica_id, self.lead, error
