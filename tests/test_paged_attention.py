@@ -105,20 +105,22 @@ def test_generic_shapes_equal_reference(block: int, dim: int) -> None:
 
 @pytest.mark.parametrize("q_lens, seq_lens", STEPS)
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize("dim", [64, 96])
-def test_bfloat16_cache_is_written_and_read_in_place(q_lens, seq_lens, window, dim) -> None:
-    """bf16 takes the AMX tiles (and a paired cache) where the CPU has them, fp32 arithmetic
-    elsewhere; either way it agrees with the float64 reference to bf16's precision. The tiles
-    sum values 64 head dimensions at a time: 96 leaves 32 for the last pass."""
-    layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=16, blocks=64, heads=8,
+@pytest.mark.parametrize("dim, block", [(64, 16), (96, 16), (64, 32)])
+def test_bfloat16_cache_is_written_and_read_in_place(q_lens, seq_lens, window, dim,
+                                                     block) -> None:
+    """bf16 takes the AMX tiles or AVX-512 BF16 pair products (and a paired cache) where the CPU
+    has them, fp32 arithmetic elsewhere; either way it agrees with the float64 reference to bf16's
+    precision. Both paired arithmetics sum values 64 head dimensions at a time: 96 leaves 32 for
+    the last pass; blocks of 32 keys take two vectors of scores each."""
+    layout, q, k, v, k_hist, v_hist = mixed_step(q_lens, seq_lens, block=block, blocks=64, heads=8,
                                                  kv_heads=2, dim=dim, dtype=torch.bfloat16)
     want, want_k, want_v = reference_paged_attention(q, k, v, k_hist, v_hist, layout, 0.125,
                                                      window)
     k_cache, v_cache = to_kernel_layout(k_hist, v_hist)
     got = run_kernel(layout, q, k, v, k_cache, v_cache, 0.125, window)
     n = layout.num_tokens
-    # The reference rounds its float64 result once; the kernel its fp32 sums (and, on tiles, the
-    # probabilities it multiplies the values by).
+    # The reference rounds its float64 result once; the kernel its fp32 sums (and, on paired
+    # blocks, the probabilities it multiplies the values by).
     torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=2e-2, atol=2e-2)
     assert torch.count_nonzero(got[n:]) == 0
     got_k, got_v = from_kernel_layout(k_cache, v_cache)
@@ -207,12 +209,13 @@ def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: 
                                                                  window: int | None) -> None:
     """The same prompt, computed whole and then again with its first ``cached`` tokens found in
     the prefix cache, attends bit for bit alike: otherwise a near-tied greedy token can flip, and
-    a request's streamed text differ from its twin's (the soak test's check). On the tiles the
-    softmax folds a run of blocks at once, so where runs end is part of the arithmetic: the whole
-    prompt's tiles of 48 rows and the rest's (down to 3 rows, the last token alone with 249
-    cached) must meet the same runs, also where a window makes their first blocks differ: token
-    245 sees blocks 6-15, and its tile's first block is 5 in the whole prompt, 6 with 37 cached,
-    so runs counted from the tile's first block would split its blocks at 13 and at 14."""
+    a request's streamed text differ from its twin's (the soak test's check). On paired blocks
+    (tiles or pairs) the softmax folds a run of blocks at once, so where runs end is part of the
+    arithmetic: the whole prompt's tiles of 48 rows and the rest's (down to 3 rows, the last token
+    alone with 249 cached) must meet the same runs, also where a window makes their first blocks
+    differ: token 245 sees blocks 6-15, and its tile's first block is 5 in the whole prompt, 6
+    with 37 cached, so runs counted from the tile's first block would split its blocks at 13 and
+    at 14."""
     length = 250
     whole, q, k, v, k_hist, v_hist = mixed_step([length], [length], block=16, blocks=20,
                                                 heads=9, kv_heads=3, dim=64, dtype=dtype)
@@ -228,18 +231,21 @@ def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: 
     assert torch.equal(again[:length - cached], first[cached:length])
 
 
-def test_bf16_takes_the_tiles_exactly_where_the_cpu_and_linux_offer_them() -> None:
-    """The fast path must not fall away unnoticed (a build flag, a refused permission): bf16
-    caches are paired, and attended on AMX, exactly where the CPU has AMX-BF16 and AVX512-BF16
-    and Linux grants the tile state; fp32 never is, nor a head size the tiles do not divide."""
+def test_bf16_takes_the_fastest_arithmetic_the_cpu_and_linux_offer() -> None:
+    """The fast paths must not fall away unnoticed (a build flag, a refused permission): bf16
+    caches are paired and attended on AMX tiles exactly where the CPU has AMX-BF16 and
+    AVX512-BF16 and Linux grants the tile state, paired and attended with AVX-512 BF16 pair
+    products where the CPU has AVX512-BF16 otherwise; fp32 never is, nor a head size the pairs do
+    not divide."""
     import ctypes
     import platform
 
-    expected = False
-    if platform.machine() == "x86_64":
+    expected = "floats"
+    if platform.machine() == "x86_64" and "avx512_bf16" in cpu_flags():
         libc = ctypes.CDLL(None, use_errno=True)
         granted = libc.syscall(158, 0x1023, 18) == 0  # arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
-        expected = {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags() and granted
-    assert ops.paired_blocks(torch.bfloat16, 64, 16) == expected
-    assert not ops.paired_blocks(torch.float32, 64, 16)
+        expected = "tiles" if {"amx_bf16", "amx_tile"} <= cpu_flags() and granted else "pairs"
+    assert ops.arithmetic(torch.bfloat16, 64, 16) == expected
+    assert ops.paired_blocks(torch.bfloat16, 64, 16) == (expected != "floats")
+    assert ops.arithmetic(torch.float32, 64, 16) == "floats"
     assert not ops.paired_blocks(torch.bfloat16, 80, 16)

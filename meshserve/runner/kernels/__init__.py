@@ -28,7 +28,7 @@ from meshserve.spmd.backend import cpu_flags
 logger = logging.getLogger("meshserve.kernels")
 
 _SOURCES = ("paged_attention.cpp",)
-_HEADERS = ("row_state.h", "float_rows.h", "tile_rows.h")
+_HEADERS = ("row_state.h", "run_softmax.h", "float_rows.h", "pair_rows.h", "tile_rows.h")
 _LIBRARY = "meshserve_cpu_kernels"
 _lock = threading.Lock()
 _loaded = False

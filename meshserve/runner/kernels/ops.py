@@ -45,13 +45,21 @@ def _cache(cache_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
-def paired_blocks(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel keeps a cache of this dtype and shape paired on this machine (bf16 on a
-    CPU with AMX): each block's keys as ``[head_dim / 2, block_size, 2]`` and its values as
-    ``[block_size / 2, head_dim, 2]`` within the tensors' memory. Only code that reads a cache's
-    contents (tests) needs to know; the tensors' shapes are the same either way."""
+def arithmetic(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """The arithmetic the kernel attends a cache of this dtype and shape with on this machine:
+    ``"tiles"`` (bf16 on AMX), ``"pairs"`` (bf16 on AVX-512 BF16 without AMX, or where Linux
+    refuses the tile state) or ``"floats"`` (fp32 arithmetic, everything else)."""
     kernels.load()
-    return torch.ops.meshserve_cpu.paired_blocks(dtype, head_dim, block_size)
+    return torch.ops.meshserve_cpu.arithmetic(dtype, head_dim, block_size)
+
+
+def paired_blocks(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel keeps a cache of this dtype and shape paired on this machine (the
+    ``"tiles"`` and ``"pairs"`` arithmetics): each block's keys as
+    ``[head_dim / 2, block_size, 2]`` and its values as ``[block_size / 2, head_dim, 2]`` within the
+    tensors' memory. Only code that reads a cache's contents (tests) needs to know; the tensors'
+    shapes are the same either way."""
+    return arithmetic(dtype, head_dim, block_size) != "floats"
 
 
 @torch.library.custom_op("meshserve::paged_attention", mutates_args=())

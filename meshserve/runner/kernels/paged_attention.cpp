@@ -8,23 +8,27 @@
 // infinities are used (kHuge).
 //
 // Cache tensors, per layer: keys [num_blocks, kv_heads, head_dim, block_size] and values
-// [num_blocks, kv_heads, block_size, head_dim]. Two arithmetics read them:
+// [num_blocks, kv_heads, block_size, head_dim]. Three arithmetics read them (``arithmetic`` says
+// which one a cache of a given dtype and shape gets on this machine):
 // - TileRows (tile_rows.h), for bf16 where the CPU has AMX and Linux grants it: bf16 products on
 //   tiles, with each block kept "paired" (keys [D/2, B, 2], values [B/2, D, 2] within the block's
 //   memory: the tile instructions' operand layout);
+// - PairRows (pair_rows.h), for bf16 where the CPU has AVX-512 BF16 but no AMX: the same paired
+//   blocks, multiplied a pair of bf16 values at a time into fp32 vectors;
 // - FloatRows (float_rows.h) for everything else: fp32 arithmetic, keys stored [D, B] and values
 //   [B, D] as the shapes say.
-// ``paired_blocks`` tells which layout a cache of a given dtype and shape has on this machine.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "float_rows.h"
+#include "pair_rows.h"
 #include "row_state.h"
 #include "tile_rows.h"
 
@@ -72,8 +76,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 constexpr int64_t kQueryTile = 16;
 
 // Attends every query token over its sequence's blocks with the arithmetic of ``Rows``
-// (FloatRows or TileRows). Work items are (sequence, kv head, tile of query tokens); a tile's
-// rows are its tokens times the query heads of the kv head, so they share every block read.
+// (FloatRows, PairRows or TileRows). Work items are (sequence, kv head, tile of query tokens); a
+// tile's rows are its tokens times the query heads of the kv head, so they share every block read.
 template <typename scalar_t, typename Rows>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -146,7 +150,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       }
       const int32_t* table = tables + tile.seq * max_blocks;
       // Runs end at multiples of kRunBlocks of the sequence's blocks, whatever the tile: where
-      // a run ends is part of a row's arithmetic on the tiles (see TileRows::run).
+      // a run ends is part of a row's arithmetic on paired blocks (see TileRows::run).
       for (int64_t b0 = tile.first_block; b0 < tile.end_block; b0 += run.count) {
         run.count = std::min((b0 / kRunBlocks + 1) * kRunBlocks, tile.end_block) - b0;
         for (int64_t c = 0; c < run.count; ++c) {
@@ -175,24 +179,35 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
-// Whether a cache of this dtype and shape is kept paired and attended on AMX tiles here.
-bool paired_blocks(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
-  return dtype == at::kBFloat16 && TileRows::fits(head_dim, block_size);
-#else
-  return false;
+// The arithmetic that attends a cache of this dtype and shape here: "tiles" (TileRows) or
+// "pairs" (PairRows), both on paired blocks, or "floats" (FloatRows).
+std::string arithmetic(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16 && PairRows::fits(head_dim, block_size)) {
+#if defined(__AMX_BF16__)
+    if (amx_permitted()) return "tiles";
 #endif
+    return "pairs";
+  }
+#endif
+  return "floats";
 }
 
 template <typename scalar_t>
 void attend_any(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                 const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out,
-                bool paired) {
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__)
+                const std::string& kind) {
+#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (paired) {
+#if defined(__AMX_BF16__)
+    if (kind == "tiles") {
       return attend<scalar_t, TileRows>(query, k_cache, v_cache, block_tables, query_start_loc,
+                                        seq_lens, scale, window, out);
+    }
+#endif
+    if (kind == "pairs") {
+      return attend<scalar_t, PairRows>(query, k_cache, v_cache, block_tables, query_start_loc,
                                         seq_lens, scale, window, out);
     }
   }
@@ -230,17 +245,17 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   TORCH_CHECK(query.size(1) % k_cache.size(1) == 0,
               "paged_attention: the query heads must be a multiple of the KV heads");
   auto out = at::zeros_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
-  const bool paired = paired_blocks(query.scalar_type(), query.size(2), k_cache.size(3));
+  const std::string kind = arithmetic(query.scalar_type(), query.size(2), k_cache.size(3));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    write_kv<scalar_t>(key, value, k_cache, v_cache, slot_mapping, paired);
+    write_kv<scalar_t>(key, value, k_cache, v_cache, slot_mapping, kind != "floats");
     attend_any<scalar_t>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                         scale, window, out, paired);
+                         scale, window, out, kind);
   });
   return out;
 }
 
 TORCH_LIBRARY(meshserve_cpu, m) {
-  m.def("paired_blocks(ScalarType dtype, int head_dim, int block_size) -> bool", &paired_blocks);
+  m.def("arithmetic(ScalarType dtype, int head_dim, int block_size) -> str", &arithmetic);
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window) -> Tensor");

@@ -14,9 +14,9 @@ constexpr int64_t kLanes = 16;
 
 // Blocks one work item hands its row arithmetic at once: consecutive blocks of its sequence, in
 // order, within one aligned group of kRunBlocks (blocks [8k, 8k + 8) of the sequence). Row r may
-// see keys [lo[c * stride + r], hi[c * stride + r]] of block c (block-relative). The tiles fold a
-// run's keys into the softmax at once (one maximum, one rescale per run); the fp32 arithmetic
-// takes the run's blocks one at a time.
+// see keys [lo[c * stride + r], hi[c * stride + r]] of block c (block-relative). The paired
+// arithmetics (tiles, pairs) fold a run's keys into the softmax at once (one maximum, one rescale
+// per run); the fp32 arithmetic takes the run's blocks one at a time.
 constexpr int64_t kRunBlocks = 8;
 
 template <typename scalar_t>
