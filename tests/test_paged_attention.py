@@ -202,7 +202,7 @@ def test_a_fresh_machine_builds_the_kernel_once_without_ninja_on_path(tmp_path) 
     assert not list((tmp_path / "kernels").glob("*/build-*")), "a scratch build folder was left"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cached", [16, 37, 249])
 @pytest.mark.parametrize("window", [None, 150])
 def test_a_prompt_over_its_cached_prefix_attends_as_it_did_whole(dtype, cached: int,
@@ -249,3 +249,44 @@ def test_bf16_takes_the_fastest_arithmetic_the_cpu_and_linux_offer() -> None:
     assert ops.paired_blocks(torch.bfloat16, 64, 16) == (expected != "floats")
     assert ops.arithmetic(torch.float32, 64, 16) == "floats"
     assert not ops.paired_blocks(torch.bfloat16, 80, 16)
+
+
+_ARITHMETIC = """
+import torch
+from meshserve.runner.kernels import ops
+print(ops.arithmetic(torch.bfloat16, 64, 16))
+"""
+
+
+def _with_cap(cap: str, *args: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, MESHSERVE_CPU_ATTENTION=cap)
+    return subprocess.run([sys.executable, *args], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("cap", ["pairs", "floats"])
+def test_every_arithmetic_the_cpu_offers_is_checked_here(cap: str) -> None:
+    """``MESHSERVE_CPU_ATTENTION`` caps a process's arithmetic: under it a CPU with AMX attends
+    bf16 with the pair products (or fp32) as a CPU without AMX would, and the bf16 tests above
+    (the reference, and bit-equal rows over a cached prefix) pass again, so every arithmetic a
+    CPU can run is checked on it, not only its fastest."""
+    expected = "pairs" if cap == "pairs" and "avx512_bf16" in cpu_flags() else "floats"
+    named = _with_cap(cap, "-c", _ARITHMETIC)
+    assert named.returncode == 0, named.stderr[-2000:]
+    assert named.stdout.strip() == expected
+    again = _with_cap(cap, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                      "bfloat16_cache or (cached_prefix and bf16)")
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "24 passed" in again.stdout
+
+
+def test_an_unknown_arithmetic_is_refused_by_name() -> None:
+    refused = _with_cap("amx", "-c", _ARITHMETIC)
+    assert refused.returncode != 0
+    message = "MESHSERVE_CPU_ATTENTION must be auto, tiles, pairs or floats, got 'amx'"
+    assert message in refused.stderr

@@ -8,6 +8,11 @@ Concurrent first builds (several host actors starting at once) wait on one build
 
 ``load()`` registers the ops under ``torch.ops.meshserve_cpu``; ``ops.py`` wraps them as the
 custom ops the model calls.
+
+Attention takes the fastest arithmetic the CPU offers for a cache's dtype and shape
+(``ops.arithmetic``). ``MESHSERVE_CPU_ATTENTION`` (``auto``, ``tiles``, ``pairs`` or ``floats``,
+read once per process) caps it, so that one machine can test and time the slower ones too: with
+``pairs`` a CPU with AMX attends bf16 as one without it does.
 """
 
 from __future__ import annotations

@@ -48,7 +48,10 @@ def _cache(cache_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 def arithmetic(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
     """The arithmetic the kernel attends a cache of this dtype and shape with on this machine:
     ``"tiles"`` (bf16 on AMX), ``"pairs"`` (bf16 on AVX-512 BF16 without AMX, or where Linux
-    refuses the tile state) or ``"floats"`` (fp32 arithmetic, everything else)."""
+    refuses the tile state) or ``"floats"`` (fp32 arithmetic, everything else); no faster than
+    ``MESHSERVE_CPU_ATTENTION`` allows (see ``meshserve.runner.kernels``). A value of that
+    variable other than ``auto``, ``tiles``, ``pairs`` or ``floats`` raises here, and in the
+    first attention call."""
     kernels.load()
     return torch.ops.meshserve_cpu.arithmetic(dtype, head_dim, block_size)
 

@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -179,18 +180,38 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
+// The arithmetics, slowest first; the first keeps blocks as the shapes say, the other two paired.
+const char* const kArithmetics[] = {"floats", "pairs", "tiles"};
+
+// The fastest arithmetic ``MESHSERVE_CPU_ATTENTION`` allows (unset or "auto": any), as an index
+// of kArithmetics; read once per process, so every cache of the process keeps one layout.
+int64_t arithmetic_cap() {
+  static const int64_t cap = [] {
+    const char* asked = std::getenv("MESHSERVE_CPU_ATTENTION");
+    if (asked == nullptr || *asked == '\0' || std::string(asked) == "auto") return int64_t{2};
+    int64_t i = 0;
+    while (i < 3 && std::string(asked) != kArithmetics[i]) ++i;
+    TORCH_CHECK(i < 3, "MESHSERVE_CPU_ATTENTION must be auto, tiles, pairs or floats, got '",
+                asked, "'");
+    return i;
+  }();
+  return cap;
+}
+
 // The arithmetic that attends a cache of this dtype and shape here: "tiles" (TileRows) or
-// "pairs" (PairRows), both on paired blocks, or "floats" (FloatRows).
+// "pairs" (PairRows), both on paired blocks, or "floats" (FloatRows); the fastest the CPU and
+// Linux offer, no faster than MESHSERVE_CPU_ATTENTION allows.
 std::string arithmetic(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+  int64_t best = 0;
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16 && PairRows::fits(head_dim, block_size)) {
+    best = 1;
 #if defined(__AMX_BF16__)
-    if (amx_permitted()) return "tiles";
+    if (amx_permitted()) best = 2;
 #endif
-    return "pairs";
   }
 #endif
-  return "floats";
+  return kArithmetics[std::min(best, arithmetic_cap())];
 }
 
 template <typename scalar_t>
