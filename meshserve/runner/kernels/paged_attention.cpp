@@ -180,54 +180,61 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
-// The arithmetics, slowest first; the first keeps blocks as the shapes say, the other two paired.
+// The arithmetics, slowest first (their names are kArithmetics'); floats keeps blocks as the
+// shapes say, the other two paired.
+enum Arithmetic : int64_t { kFloats = 0, kPairs = 1, kTiles = 2 };
 const char* const kArithmetics[] = {"floats", "pairs", "tiles"};
 
-// The fastest arithmetic ``MESHSERVE_CPU_ATTENTION`` allows (unset or "auto": any), as an index
-// of kArithmetics; read once per process, so every cache of the process keeps one layout.
-int64_t arithmetic_cap() {
-  static const int64_t cap = [] {
+// The fastest arithmetic ``MESHSERVE_CPU_ATTENTION`` allows (unset or "auto": any); read once
+// per process, so every cache of the process keeps one layout.
+Arithmetic arithmetic_cap() {
+  static const Arithmetic cap = [] {
     const char* asked = std::getenv("MESHSERVE_CPU_ATTENTION");
-    if (asked == nullptr || *asked == '\0' || std::string(asked) == "auto") return int64_t{2};
-    int64_t i = 0;
-    while (i < 3 && std::string(asked) != kArithmetics[i]) ++i;
-    TORCH_CHECK(i < 3, "MESHSERVE_CPU_ATTENTION must be auto, tiles, pairs or floats, got '",
+    if (asked == nullptr || *asked == '\0' || std::string(asked) == "auto") return kTiles;
+    int64_t i = kFloats;
+    while (i <= kTiles && std::string(asked) != kArithmetics[i]) ++i;
+    TORCH_CHECK(i <= kTiles, "MESHSERVE_CPU_ATTENTION must be auto, tiles, pairs or floats, got '",
                 asked, "'");
-    return i;
+    return static_cast<Arithmetic>(i);
   }();
   return cap;
 }
 
-// The arithmetic that attends a cache of this dtype and shape here: "tiles" (TileRows) or
-// "pairs" (PairRows), both on paired blocks, or "floats" (FloatRows); the fastest the CPU and
-// Linux offer, no faster than MESHSERVE_CPU_ATTENTION allows.
-std::string arithmetic(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
-  int64_t best = 0;
+// The arithmetic that attends a cache of this dtype and shape here: kTiles (TileRows) or kPairs
+// (PairRows), both on paired blocks, or kFloats (FloatRows); the fastest the CPU and Linux
+// offer, no faster than MESHSERVE_CPU_ATTENTION allows.
+Arithmetic arithmetic_for(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+  Arithmetic best = kFloats;
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16 && PairRows::fits(head_dim, block_size)) {
-    best = 1;
+    best = kPairs;
 #if defined(__AMX_BF16__)
-    if (amx_permitted()) best = 2;
+    if (amx_permitted()) best = kTiles;
 #endif
   }
 #endif
-  return kArithmetics[std::min(best, arithmetic_cap())];
+  return std::min(best, arithmetic_cap());
+}
+
+// ``arithmetic_for`` by name, for Python (``ops.arithmetic``).
+std::string arithmetic(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+  return kArithmetics[arithmetic_for(dtype, head_dim, block_size)];
 }
 
 template <typename scalar_t>
 void attend_any(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                 const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out,
-                const std::string& kind) {
+                Arithmetic kind) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
 #if defined(__AMX_BF16__)
-    if (kind == "tiles") {
+    if (kind == kTiles) {
       return attend<scalar_t, TileRows>(query, k_cache, v_cache, block_tables, query_start_loc,
                                         seq_lens, scale, window, out);
     }
 #endif
-    if (kind == "pairs") {
+    if (kind == kPairs) {
       return attend<scalar_t, PairRows>(query, k_cache, v_cache, block_tables, query_start_loc,
                                         seq_lens, scale, window, out);
     }
@@ -266,9 +273,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   TORCH_CHECK(query.size(1) % k_cache.size(1) == 0,
               "paged_attention: the query heads must be a multiple of the KV heads");
   auto out = at::zeros_like(query, query.options().memory_format(at::MemoryFormat::Contiguous));
-  const std::string kind = arithmetic(query.scalar_type(), query.size(2), k_cache.size(3));
+  const Arithmetic kind = arithmetic_for(query.scalar_type(), query.size(2), k_cache.size(3));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    write_kv<scalar_t>(key, value, k_cache, v_cache, slot_mapping, kind != "floats");
+    write_kv<scalar_t>(key, value, k_cache, v_cache, slot_mapping, kind != kFloats);
     attend_any<scalar_t>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                          scale, window, out, kind);
   });
