@@ -66,8 +66,8 @@ def test_every_ingress_replica_listens_on_the_serve_port_and_no_proxy_runs(serve
 
 def test_ray_and_serve_background_loops_run_at_the_calm_pace_on_its_own_ray(server) -> None:
     # cli.py slows Serve's controller loop, the replicas' metrics export and Ray's log and
-    # autoscaler monitors before its local Ray starts, so every process of that cluster runs
-    # with them.
+    # autoscaler monitors, and turns Ray's metrics collection off, before its local Ray starts,
+    # so every process of that cluster runs with them.
     from meshserve.cli import CALM_RAY_ENV
 
     pids = [*processes(server.process.pid, "ServeController"),
