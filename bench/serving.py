@@ -55,11 +55,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -134,6 +136,12 @@ class Server:
     """A server process in its own session, stopped with SIGINT (then SIGKILL) as a user would."""
 
     def __init__(self, command: list[str], url: str, log: Path, env: dict[str, str]) -> None:
+        # A server already answering there would pass for this one: its /health says 200 before
+        # this one has even found the port taken, and every figure would be that server's.
+        address = urllib.parse.urlsplit(url)
+        with socket.socket() as probe:
+            if probe.connect_ex((address.hostname, address.port)) == 0:
+                raise RuntimeError(f"something already listens on {url}; stop it first")
         self.url = url
         self.log = log.open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
