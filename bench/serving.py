@@ -55,7 +55,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +68,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from meshserve.deploy.listener import listening_socket
 
 from common import REPO_ROOT, bar_chart, machine_info, write_json
 from offline import export_hf_folder, native_dtypes
@@ -136,12 +137,14 @@ class Server:
     """A server process in its own session, stopped with SIGINT (then SIGKILL) as a user would."""
 
     def __init__(self, command: list[str], url: str, log: Path, env: dict[str, str]) -> None:
-        # A server already answering there would pass for this one: its /health says 200 before
-        # this one has even found the port taken, and every figure would be that server's.
+        # A server already there would pass for this one: its /health says 200 before this one
+        # has even found the port taken, and every figure would be that server's. The same
+        # check as `meshserve serve` makes before it starts.
         address = urllib.parse.urlsplit(url)
-        with socket.socket() as probe:
-            if probe.connect_ex((address.hostname, address.port)) == 0:
-                raise RuntimeError(f"something already listens on {url}; stop it first")
+        try:
+            listening_socket(address.hostname, address.port, shared=False).close()
+        except OSError as exc:
+            raise RuntimeError(f"{exc.strerror}; stop what listens there first") from None
         self.url = url
         self.log = log.open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
