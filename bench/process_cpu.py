@@ -40,6 +40,14 @@ def process_kind(argv: list[str], comm: str) -> str:
     return program
 
 
+def parse_stat(stat: str) -> tuple[str, float]:
+    """A process's name and CPU-seconds so far, from the text of its ``/proc/<pid>/stat``."""
+    comm, _, rest = stat.partition("(")[2].rpartition(")")
+    fields = rest.split()
+    # fields[11], fields[12]: utime and stime (stat fields 14 and 15), in clock ticks
+    return comm, (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
 def _snapshot() -> dict[int, tuple[str, float]]:
     """pid -> (kind, CPU-seconds so far) for every process that can be read."""
     processes: dict[int, tuple[str, float]] = {}
@@ -54,10 +62,7 @@ def _snapshot() -> dict[int, tuple[str, float]]:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # it ended meanwhile
             continue
-        comm, _, rest = stat.partition("(")[2].rpartition(")")
-        fields = rest.split()
-        # fields[11], fields[12]: utime and stime (stat fields 14 and 15), in clock ticks
-        seconds = (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+        comm, seconds = parse_stat(stat)
         processes[int(entry.name)] = (process_kind([a for a in argv if a], comm), seconds)
     return processes
 
