@@ -150,7 +150,11 @@ def idle_server(args: argparse.Namespace) -> Server:
     print(f"starting meshserve serve on 127.0.0.1:{args.port} (log: {log})...", flush=True)
     server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port)],
                     f"http://127.0.0.1:{args.port}", log, dict(os.environ))
-    server.wait_ready(900)
+    try:
+        server.wait_ready(900)
+    except BaseException:  # a server that never got ready is not left behind
+        server.stop()
+        raise
     return server
 
 
