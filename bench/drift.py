@@ -260,13 +260,13 @@ def main(argv: list[str] | None = None) -> None:
             engine.close()
         if server is not None:
             server.stop()
-    summary = summarize(bursts)
-    write_json(args.output, {"machine": machine_info(), "dtype": dtype, "config": {
-        k: v for k, v in vars(args).items() if k not in ("output", "worker")} | {
-        "peer_model": str(args.peer_model)}, "summary": summary, "bursts": bursts})
+    summary, machine = summarize(bursts), machine_info()
+    config = {k: v for k, v in vars(args).items() if k not in ("output", "worker")}
+    write_json(args.output, {"machine": machine, "dtype": dtype, "config": config,
+                             "summary": summary, "bursts": bursts})
     plot(args.output.with_suffix(".png"), bursts,
          f"{args.num_prompts} x {args.max_tokens} tokens at {args.concurrency}, {dtype}, "
-         f"{machine_info()['cpu_model']} (CPU figures)")
+         f"{machine['cpu_model']} (CPU figures)")
     print(json.dumps(summary, indent=2))
 
 
