@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,10 @@ import pytest
 from meshserve.benchmark.cli import add_bench_parser
 from meshserve.benchmark.client import run_benchmark
 from meshserve.benchmark.prompts import load_prompts, synthetic_prompts
-from meshserve.benchmark.report import format_comparison, format_table, write_report
-from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult, percentiles
+from meshserve.benchmark.report import (format_comparison, format_round, format_table,
+                                         median_comparison, write_report)
+from meshserve.benchmark.results import (BenchConfig, BenchResult, RequestResult, Round,
+                                          percentiles, pooled)
 from meshserve.benchmark.stream import SSEDecoder, StreamTimer
 
 
@@ -220,6 +223,7 @@ def test_cli_registers_bench_serve_with_the_documented_defaults() -> None:
     assert callable(args.func)
     assert (args.stream, args.max_tokens, args.seed, args.timeout, args.output) == (
         False, 64, 0, 300.0, "bench/results/serve.json")
+    assert (args.compare, args.rounds, args.pause) == (None, 1, 5.0)
 
 
 def test_cli_reports_bad_flags_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,8 +278,74 @@ def test_compare_runs_both_servers_and_names_the_peers_model(tmp_path: Path) -> 
     assert args.func(args) == 2  # nothing answers /v1/models there: the peer cannot be named
     output = tmp_path / "both.json"
     args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m", "--compare", peer,
-                                 "--compare-model", "p", "--num-prompts", "2",
+                                 "--compare-model", "p", "--num-prompts", "2", "--pause", "0",
                                  "--output", str(output)])
     assert args.func(args) == 1
     runs = json.loads(output.read_text(encoding="utf-8"))["runs"]
     assert [(r["config"]["model"], r["results"]["failed"]) for r in runs] == [("m", 2), ("p", 2)]
+
+
+# --- Several rounds (--rounds) --------------------------------------------------------------
+
+
+def _run(url: str, seed: int, duration: float, ttft: float) -> BenchResult:
+    """Two streamed requests of 11 tokens each, both with first token at ``ttft``."""
+    requests = tuple(RequestResult(ok=True, e2e=1.0, ttft=ttft, output_tokens=11,
+                                   itl=(0.05,) * 10) for _ in range(2))
+    return BenchResult(config=BenchConfig(url=url, model="m", num_prompts=2, stream=True,
+                                          seed=seed), duration=duration, requests=requests)
+
+
+def test_pooled_runs_keep_every_request_over_their_summed_time() -> None:
+    runs = [_run("http://h:8000", 0, 2.0, 0.1), _run("http://h:8000", 1, 6.0, 0.3)]
+    total = pooled(runs)
+    assert len(total.requests) == 4 and total.duration == 8.0 and total.config.seed == 0
+    assert total.summary()["output_throughput"] == pytest.approx(44 / 8)
+    assert total.summary()["ttft_ms"]["p50"] == pytest.approx(200.0)
+    with pytest.raises(ValueError, match="at least one run"):
+        pooled([])
+
+
+def test_a_report_of_rounds_gives_each_round_and_the_medians_of_their_ratios(
+        tmp_path: Path) -> None:
+    # Throughput ratios 2.0, 0.5, 1.25 (median 1.25); TTFT p50 ratios 0.5, 2.0, 1.0 (median 1.0).
+    shapes = [((2.0, 0.1), (4.0, 0.2)), ((4.0, 0.4), (2.0, 0.2)), ((4.0, 0.3), (5.0, 0.3))]
+    rounds = [Round(_run("http://h:8000", seed, ours[0], ours[1]),
+                    _run("http://peer:9000", seed, theirs[0], theirs[1]), peer_first=seed % 2 == 1)
+              for seed, (ours, theirs) in enumerate(shapes)]
+    medians = median_comparison(rounds)
+    assert medians["output_throughput"] == pytest.approx(1.25)
+    assert medians["ttft_p50"] == pytest.approx(1.0)
+    ours, peer = pooled([r.ours for r in rounds]), pooled([r.peer for r in rounds])
+    json_path, png_path = write_report(ours, tmp_path / "rounds.json", peer, rounds)
+    report = json.loads(json_path.read_text(encoding="utf-8"))
+    assert report["comparison"] == medians
+    assert [len(run["requests"]) for run in report["runs"]] == [6, 6]
+    assert [(r["seed"], r["first"]) for r in report["rounds"]] == [
+        (0, "http://h:8000"), (1, "http://peer:9000"), (2, "http://h:8000")]
+    assert [r["comparison"]["output_throughput"] for r in report["rounds"]] == [2.0, 0.5, 1.25]
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "medians of 3 rounds: output throughput 1.25x" in format_comparison(ours, peer, rounds)
+    assert format_round(1, 3, rounds[1]).startswith(
+        "round 2/3 (seed 1, http://peer:9000 first): 5.5 against 11.0 tok/s; "
+        "output throughput 0.50x")
+    with pytest.raises(ValueError, match="with a peer"):
+        median_comparison([Round(rounds[0].ours)])
+
+
+def test_rounds_alternate_the_first_server_on_fresh_prompts(tmp_path: Path) -> None:
+    url, peer = (f"http://127.0.0.1:{_closed_port()}" for _ in range(2))
+    output = tmp_path / "rounds.json"
+    args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m", "--compare", peer,
+                                 "--compare-model", "p", "--num-prompts", "2", "--rounds", "3",
+                                 "--seed", "5", "--pause", "0.4", "--output", str(output)])
+    started = time.monotonic()
+    assert args.func(args) == 1  # nothing listens: every request of every round fails
+    assert time.monotonic() - started >= 5 * 0.4  # a pause before each of 6 runs but the first
+    report = json.loads(output.read_text(encoding="utf-8"))
+    assert [(r["seed"], r["first"]) for r in report["rounds"]] == [(5, url), (6, peer), (7, url)]
+    assert [r["results"]["failed"] for r in report["runs"]] == [6, 6]
+    assert report["comparison"] == {"output_throughput": None, "ttft_p50": None, "tpot_p50": None}
+    for bad in (["--rounds", "0"], ["--pause", "-1"]):
+        args = _parser().parse_args(["bench", "serve", "--url", url, "--model", "m", *bad])
+        assert args.func(args) == 2

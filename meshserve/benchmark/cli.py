@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshserve.benchmark.results import BenchConfig, Round
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -17,7 +21,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     serve = commands.add_parser(
         "serve", help="latency and throughput of an OpenAI-compatible server",
         description="Benchmark /v1/completions on any OpenAI-compatible server (meshserve, vLLM), "
-                    "or two of them back to back on the same prompts (--compare).")
+                    "or two of them back to back on the same prompts (--compare), in one round "
+                    "or several (--rounds).")
     serve.add_argument("--url", required=True, help="server root, e.g. http://localhost:8000")
     serve.add_argument("--model", required=True, help="model name the server expects")
     serve.add_argument("--num-prompts", type=int, default=100)
@@ -41,6 +46,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                             "on right after, in the same run: one report and one chart for both")
     serve.add_argument("--compare-model",
                        help="the model name the peer expects (default: the first it lists)")
+    serve.add_argument("--rounds", type=int, default=1,
+                       help="run the workload this many times, on fresh prompts each round (seed, "
+                            "seed + 1, ...); with --compare the server that goes first alternates, "
+                            "so a machine's drift falls on both, and the ratios reported are the "
+                            "medians of the rounds' (default 1)")
+    serve.add_argument("--pause", type=float, default=5.0,
+                       help="seconds to wait before each run but the first, so that work a server "
+                            "still does after its run (a busy-polling worker winding down) does "
+                            "not fall on the next run (default 5)")
     serve.set_defaults(func=_run_serve)
     return serve
 
@@ -49,11 +63,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import replace
 
-    from meshserve.benchmark.client import run_benchmark, served_model
+    from meshserve.benchmark.client import served_model
     from meshserve.benchmark.report import format_comparison, format_table, write_report
-    from meshserve.benchmark.results import BenchConfig
+    from meshserve.benchmark.results import BenchConfig, pooled
 
     try:
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+        if args.pause < 0:
+            raise ValueError(f"--pause must be non-negative, got {args.pause}")
         config = BenchConfig(
             url=args.url, model=args.model, num_prompts=args.num_prompts,
             concurrency=args.concurrency, stream=args.stream, max_tokens=args.max_tokens,
@@ -64,16 +82,48 @@ def _run_serve(args: argparse.Namespace) -> int:
             peer_config = replace(config, url=args.compare, model=args.compare_model or "peer")
             if args.compare_model is None:
                 peer_config = replace(peer_config, model=asyncio.run(served_model(peer_config)))
-        result = asyncio.run(run_benchmark(config))
-        peer = None if peer_config is None else asyncio.run(run_benchmark(peer_config))
+        rounds = _run_rounds(config, peer_config, args.rounds, args.pause)
     except (ValueError, OSError) as error:  # bad flags, an unreadable dataset, no peer model
         print(f"meshserve bench serve: error: {error}", file=sys.stderr)
         return 2
+    result = pooled([r.ours for r in rounds])
+    peer = None if peer_config is None else pooled([r.peer for r in rounds])
+    several = rounds if len(rounds) > 1 else ()
     print(format_table(result))
     if peer is not None:
         print(format_table(peer))
-        print(format_comparison(result, peer))
-    json_path, png_path = write_report(result, args.output, peer)
+        print(format_comparison(result, peer, several))
+    json_path, png_path = write_report(result, args.output, peer, several)
     print(f"wrote {json_path} and {png_path}")
     runs = [result] if peer is None else [result, peer]
     return 0 if all(len(r.completed) == len(r.requests) for r in runs) else 1
+
+
+def _run_rounds(config: BenchConfig, peer_config: BenchConfig | None, num_rounds: int,
+                pause: float) -> list[Round]:
+    """Run ``num_rounds`` rounds, each on fresh prompts (the seed plus the round's index), with
+    ``pause`` seconds before every run but the first; with a peer, both servers get the same
+    prompts within a round and the first of them alternates."""
+    import asyncio
+    import time
+    from dataclasses import replace
+
+    from meshserve.benchmark.client import run_benchmark
+    from meshserve.benchmark.report import format_round
+    from meshserve.benchmark.results import Round
+
+    rounds = []
+    for index in range(num_rounds):
+        configs = {"ours": replace(config, seed=config.seed + index)}
+        if peer_config is not None:
+            configs["peer"] = replace(peer_config, seed=config.seed + index)
+        order = list(configs)[::-1] if index % 2 else list(configs)
+        runs = {}
+        for name in order:
+            if index or runs:
+                time.sleep(pause)
+            runs[name] = asyncio.run(run_benchmark(configs[name]))
+        rounds.append(Round(runs["ours"], runs.get("peer"), peer_first=order[0] == "peer"))
+        if num_rounds > 1:
+            print(format_round(index, num_rounds, rounds[-1]), flush=True)
+    return rounds

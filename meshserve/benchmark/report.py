@@ -1,5 +1,6 @@
 """A run for people: a table on the terminal, and a JSON report with a latency chart beside it;
-with a peer's run of the same workload, both in one report and one chart, and their ratios.
+with a peer's run of the same workload, both in one report and one chart, and their ratios; with
+several rounds, every round's figures and the medians of their ratios.
 
 The machine info in the JSON describes the client, not the server.
 """
@@ -11,11 +12,12 @@ import os
 import platform
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from statistics import median
+from typing import Any, Sequence
 
 import numpy as np
 
-from meshserve.benchmark.results import PERCENTILES, BenchResult
+from meshserve.benchmark.results import PERCENTILES, BenchResult, Round
 
 
 def format_table(result: BenchResult) -> str:
@@ -66,33 +68,80 @@ def compare(result: BenchResult, peer: BenchResult) -> dict[str, float | None]:
             "tpot_p50": ratio(ours["tpot_ms"]["p50"], theirs["tpot_ms"]["p50"])}
 
 
-def format_comparison(result: BenchResult, peer: BenchResult) -> str:
-    c = compare(result, peer)
+def median_comparison(rounds: Sequence[Round]) -> dict[str, float | None]:
+    """Each ratio of ``compare`` as its median over the rounds that have it: on a machine whose
+    speed drifts, rounds that alternate which server goes first cancel the drift out."""
+    ratios = [compare(r.ours, r.peer) for r in rounds if r.peer is not None]
+    if not ratios:
+        raise ValueError("median_comparison needs rounds with a peer")
+
+    def middle(key: str) -> float | None:
+        values = [c[key] for c in ratios if c[key] is not None]
+        return round(median(values), 3) if values else None
+
+    return {key: middle(key) for key in ratios[0]}
+
+
+def _ratios(c: dict[str, float | None]) -> str:
     cells = {k: "n/a" if v is None else f"{v:.2f}x" for k, v in c.items()}
-    return (f"{result.config.url} against {peer.config.url}: output throughput "
-            f"{cells['output_throughput']}, TTFT p50 {cells['ttft_p50']}, TPOT p50 "
-            f"{cells['tpot_p50']}")
+    return (f"output throughput {cells['output_throughput']}, TTFT p50 {cells['ttft_p50']}, "
+            f"TPOT p50 {cells['tpot_p50']}")
 
 
-def write_report(result: BenchResult, path: str | Path,
-                 peer: BenchResult | None = None) -> tuple[Path, Path]:
+def format_comparison(result: BenchResult, peer: BenchResult,
+                      rounds: Sequence[Round] = ()) -> str:
+    """One line: ``result`` against ``peer``; with ``rounds``, the medians of their ratios."""
+    if rounds:
+        return (f"{result.config.url} against {peer.config.url}, medians of {len(rounds)} "
+                f"rounds: {_ratios(median_comparison(rounds))}")
+    return f"{result.config.url} against {peer.config.url}: {_ratios(compare(result, peer))}"
+
+
+def format_round(index: int, total: int, run: Round) -> str:
+    """A progress line for round ``index`` (from 0) of ``total``."""
+    ours = run.ours.summary()["output_throughput"]
+    head = f"round {index + 1}/{total} (seed {run.ours.config.seed}"
+    if run.peer is None:
+        return f"{head}): {ours:.1f} tok/s"
+    first = run.peer.config.url if run.peer_first else run.ours.config.url
+    return (f"{head}, {first} first): {ours:.1f} against "
+            f"{run.peer.summary()['output_throughput']:.1f} tok/s; "
+            f"{_ratios(compare(run.ours, run.peer))}")
+
+
+def _round_record(run: Round) -> dict[str, Any]:
+    record: dict[str, Any] = {"seed": run.ours.config.seed, "results": run.ours.summary()}
+    if run.peer is not None:
+        record["first"] = run.peer.config.url if run.peer_first else run.ours.config.url
+        record["peer_results"] = run.peer.summary()
+        record["comparison"] = compare(run.ours, run.peer)
+    return record
+
+
+def write_report(result: BenchResult, path: str | Path, peer: BenchResult | None = None,
+                 rounds: Sequence[Round] = ()) -> tuple[Path, Path]:
     """Write the JSON result and a PNG of the latency distributions beside it (same stem). With
     ``peer`` (the same workload on another server, run right after), both runs go in one report
-    and one chart, with the ratios between them."""
+    and one chart, with the ratios between them. With ``rounds`` (``bench serve --rounds``),
+    ``result`` and ``peer`` are the rounds' runs pooled (``results.pooled``), the report lists
+    every round under ``rounds``, and its ``comparison`` is the medians of the rounds' ratios."""
     json_path = Path(path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     if peer is None:
-        report = {**_run_record(result), "machine": machine_info()}
+        report = _run_record(result)
     else:
         report = {"runs": [_run_record(result), _run_record(peer)],
-                  "comparison": compare(result, peer), "machine": machine_info()}
+                  "comparison": median_comparison(rounds) if rounds else compare(result, peer)}
+    if rounds:
+        report["rounds"] = [_round_record(r) for r in rounds]
+    report["machine"] = machine_info()
     json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     png_path = json_path.with_suffix(".png")
-    _plot([result] if peer is None else [result, peer], png_path)
+    _plot([result] if peer is None else [result, peer], png_path, len(rounds))
     return json_path, png_path
 
 
-def _plot(results: list[BenchResult], path: Path) -> None:
+def _plot(results: list[BenchResult], path: Path, num_rounds: int = 0) -> None:
     # Imported here: matplotlib is an optional extra and slow to import. The Agg canvas renders
     # without a display and leaves pyplot's global backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -124,5 +173,6 @@ def _plot(results: list[BenchResult], path: Path) -> None:
     c = results[0].config
     servers = " vs ".join(f"{r.config.model} at {r.config.url}" for r in results)
     figure.suptitle(f"{servers}: concurrency {c.concurrency}, "
-                    f"{'streaming' if c.stream else 'non-streaming'}, max_tokens {c.max_tokens}")
+                    f"{'streaming' if c.stream else 'non-streaming'}, max_tokens {c.max_tokens}"
+                    + (f", {num_rounds} rounds pooled" if num_rounds > 1 else ""))
     figure.savefig(path, dpi=100)

@@ -125,3 +125,22 @@ class BenchResult:
             "itl_ms": ms(gap for r in done for gap in r.itl),
             "e2e_ms": ms(r.e2e for r in done),
         }
+
+
+def pooled(runs: Sequence[BenchResult]) -> BenchResult:
+    """Several runs of one server as one: every request, over the sum of their durations (so
+    its throughput is all their tokens over all their time). The first run's config names it."""
+    if not runs:
+        raise ValueError("pooled needs at least one run")
+    return BenchResult(config=runs[0].config, duration=sum(r.duration for r in runs),
+                       requests=tuple(q for r in runs for q in r.requests))
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round of ``bench serve --rounds``: a server's run and, with ``--compare``, the peer's
+    run of the same prompts; ``peer_first`` says which of the two went first."""
+
+    ours: BenchResult
+    peer: BenchResult | None = None
+    peer_first: bool = False
