@@ -172,7 +172,7 @@ def _plot(results: list[BenchResult], path: Path, num_rounds: int = 0) -> None:
             axes.legend(fontsize=8, loc="lower right")
     c = results[0].config
     servers = " vs ".join(f"{r.config.model} at {r.config.url}" for r in results)
-    figure.suptitle(f"{servers}: concurrency {c.concurrency}, "
+    figure.suptitle(f"{servers}\nconcurrency {c.concurrency}, "
                     f"{'streaming' if c.stream else 'non-streaming'}, max_tokens {c.max_tokens}"
                     + (f", {num_rounds} rounds pooled" if num_rounds > 1 else ""))
     figure.savefig(path, dpi=100)
