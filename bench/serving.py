@@ -26,12 +26,16 @@ With ``--reserved-cpus N``, meshserve serves with ``--reserved-cpus N`` (its eng
 CPUs but the first N, one thread each, leaving those to the serving processes) and its offline
 legs pin themselves the same way, so every meshserve figure is of the same engine.
 
-Every engine runs in the CPU's native dtype unless ``--dtype`` says otherwise. The three legs run
-``--rounds`` times (3), each round starting one leg later than the last: on a shared VM the same
-leg drifts by more than the gaps measured here, so ratios are taken within a round and reported
-as medians over rounds. Each leg also records the CPU-seconds every kind of process spent while
-it ran (``process_cpu.py``: the engine, Serve's proxy and controller, the ingress, Ray's daemons,
-the client), which tells the edge's share from the engine's and shows the machine's drift.
+Every leg is warmed up before it is measured: the offline engine with a short ``generate`` of
+four prompts that share no prefix with the measured ones, each server with the same four prompts
+through the client, then ``SETTLE_S`` of quiet, so that no leg's figure holds first-use costs or
+the tail of its start. Every engine runs in the CPU's native dtype unless ``--dtype`` says
+otherwise. The three legs run ``--rounds`` times (3), each round starting one leg later than
+the last: on a shared VM the same leg drifts by more than the gaps measured here, so ratios are
+taken within a round and reported as medians over rounds. Each leg also records the CPU-seconds
+every kind of process spent while it ran (``process_cpu.py``: the engine, Serve's proxy and
+controller, the ingress, Ray's daemons, the client), which tells the edge's share from the
+engine's and shows the machine's drift.
 meshserve's legs also record the engine steps the workload took and their mean time (the
 ``meshserve_engine_steps`` / ``meshserve_engine_execute_seconds`` gauges of /metrics, the
 engine's own counters offline): both run the same schedule, so ``served_step_over_offline`` says
@@ -78,18 +82,21 @@ from vllm_worker import CPU_SETTINGS
 
 MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
 BESIDE = "offline beside the idle server"  # the --idle-floor leg
+WARM_UP_TOKENS = 8  # each warm-up prompt's output, in every leg
+# After a server's warm-up, before its measured run: as `bench serve --pause`, long enough for
+# work that outlives a run (vLLM-CPU's worker polls a core for about a second after its last
+# response) to end before the next.
+SETTLE_S = 5.0
 _OFFLINE = """
 import json, sys, time
 from meshserve import LLM, SamplingParams
 from meshserve.actors.cpus import claim_engine_cpus
-prompts, max_tokens, concurrency, dtype, reserved_cpus = json.loads(sys.argv[1])
+prompts, warm_up, warm_up_tokens, max_tokens, concurrency, dtype, reserved_cpus = json.loads(
+    sys.argv[1])
 claim_engine_cpus(reserved_cpus)  # the served engine's CPUs and threads: the same engine
 llm = LLM(dtype=dtype, max_num_seqs=concurrency)
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-# Warm-up prompts share no leading block with the measured ones: the prefix cache must not
-# skip any measured prefill.
-llm.generate(["Warm-up. " + p for p in prompts[:4]],
-             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+llm.generate(warm_up, SamplingParams(temperature=0.0, max_tokens=warm_up_tokens, ignore_eos=True))
 before = llm.engine.stats()
 start, cpu_start = time.perf_counter(), time.process_time()
 outputs = llm.generate(prompts, params)
@@ -123,9 +130,17 @@ def run_peer_offline(args: argparse.Namespace, prompts: list[str], dtype: str) -
             "output_throughput": tokens / raw["elapsed_s"]}
 
 
+def warm_up_prompts(prompts: list[str]) -> list[str]:
+    """What every leg but vLLM's offline one (``vllm_worker.py`` warms its own) runs before it is
+    measured (``WARM_UP_TOKENS`` each): the first prompts behind a prefix, so they share no
+    leading block with the measured ones and the prefix cache skips no measured prefill."""
+    return ["Warm-up. " + p for p in prompts[:4]]
+
+
 def run_offline(prompts: list[str], args: argparse.Namespace, dtype: str) -> dict:
     done = subprocess.run([sys.executable, "-c", _OFFLINE,
-                           json.dumps([prompts, args.max_tokens, args.concurrency, dtype,
+                           json.dumps([prompts, warm_up_prompts(prompts), WARM_UP_TOKENS,
+                                       args.max_tokens, args.concurrency, dtype,
                                        args.reserved_cpus])],
                           capture_output=True, text=True, cwd=REPO_ROOT)
     if done.returncode:
@@ -175,12 +190,15 @@ class Server:
         self.log.close()
 
 
-def bench_server(server: Server, args: argparse.Namespace, then: Callable[[], None] | None = None
+def bench_server(server: Server, args: argparse.Namespace, warm_up: list[str],
+                 then: Callable[[], None] | None = None
                  ) -> tuple[Any, dict[str, float], dict[str, float] | None]:
-    """Wait for ``server``, run the workload against the model it serves (then ``then``, with
-    the server idle), stop it; returns the results, the CPU-seconds each kind of process spent
-    while the workload ran, and the engine steps the workload took (``step_figures``; None for a
-    server without meshserve's metrics)."""
+    """Wait for ``server``, warm it up as the offline legs warm their engine (the ``warm_up``
+    prompts, ``WARM_UP_TOKENS`` each) and give it ``SETTLE_S`` to finish whatever that and its
+    start left running, run the workload against the model it serves (then ``then``, with the
+    server idle), stop it; returns the results, the CPU-seconds each kind of process spent while
+    the workload ran, and the engine steps the workload took (``step_figures``; None for a server
+    without meshserve's metrics)."""
     from meshserve.benchmark.client import run_benchmark, served_model
     from meshserve.benchmark.results import BenchConfig
 
@@ -190,6 +208,16 @@ def bench_server(server: Server, args: argparse.Namespace, then: Callable[[], No
                              concurrency=args.concurrency, stream=True,
                              max_tokens=args.max_tokens, seed=args.seed, timeout=args.timeout)
         config = replace(config, model=asyncio.run(served_model(config)))
+        with tempfile.TemporaryDirectory() as tmp:
+            dataset = Path(tmp) / "warm_up.jsonl"
+            dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm_up),
+                               encoding="utf-8")
+            warmed = asyncio.run(run_benchmark(replace(
+                config, dataset=str(dataset), num_prompts=len(warm_up),
+                concurrency=len(warm_up), max_tokens=WARM_UP_TOKENS)))
+        if len(warmed.completed) != len(warm_up):
+            raise RuntimeError(f"{server.url} failed its warm-up: {warmed.errors}")
+        time.sleep(SETTLE_S)
         before = engine_counters(server.url)
         with ProcessCpu() as cpu:
             results = asyncio.run(run_benchmark(config))
@@ -284,6 +312,7 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
     """Every leg once per round; each round starts one leg later, so no leg always runs first
     (when the machine is freshest) or right after the same neighbour."""
     beside: dict[int, dict] = {}  # round -> the offline leg's figures beside the idle server
+    warm_up = warm_up_prompts(prompts)
 
     def meshserve(index: int, edge: str = "ingress") -> tuple[Any, dict[str, float], Any]:
         server = Server([MESHSERVE, "serve", "--host", "127.0.0.1", "--port", str(args.port),
@@ -296,14 +325,15 @@ def run_rounds(args: argparse.Namespace, prompts: list[str], dtype: str,
             beside[index] = run_offline(prompts, args, dtype)
             print(_one_line(BESIDE, beside[index]), flush=True)
 
-        return bench_server(server, args, idle_floor if args.idle_floor and edge == "ingress"
-                            else None)
+        return bench_server(server, args, warm_up, idle_floor
+                            if args.idle_floor and edge == "ingress" else None)
 
     def proxy(index: int) -> tuple[Any, dict[str, float], Any]:
         return meshserve(index, "proxy")
 
     def peer(index: int) -> tuple[Any, dict[str, float], Any]:
-        return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args)
+        return bench_server(peer_server(args, dtype, logs / f"peer-{index}.log"), args,
+                            warm_up)
 
     def offline(index: int) -> tuple[dict, dict[str, float], dict[str, float]]:
         figures = run_offline(prompts, args, dtype)
