@@ -8,12 +8,13 @@ long-lived, taking turns at the same bursts.
 A served engine runs in a host actor: a Ray worker process (niceness 15, Ray's threads beside the
 engine's). When its bursts run slower than the offline engine's, the cause is either that process
 or the machine at that moment. Here every round gives each engine the same fresh prompts
-(``--num-prompts`` x ``--max-tokens``, greedy, EOS ignored, ``max_num_seqs`` = ``--concurrency``;
-a new seed each round, so no prefix cache serves a prompt), rotating which engine goes first, and
-the engines take turns within seconds. A slow round that every engine shows is the machine's (on
-a shared VM: its host's other tenants, its clock); a slowdown only the actor shows is the
-process's. Nothing else should run meanwhile; with ``--beside-server``, one ``meshserve serve`` on
-127.0.0.1 (``--port``) is up and idle through the rounds, as the serving processes are beside a
+(``--num-prompts`` x ``--max-tokens``, greedy, EOS ignored, ``max_num_seqs`` = ``--concurrency``; a
+new seed each round, so no prefix cache serves a prompt), rotating which engine goes first, and the
+engines take turns within seconds (``--pause``, 5 s, before each burst: vLLM-CPU's worker keeps
+polling a core for about a second after its own burst). A slow round that every engine shows is the
+machine's (on a shared VM: its host's other tenants, its clock); a slowdown only the actor shows is
+the process's. Nothing else should run meanwhile; with ``--beside-server``, one ``meshserve serve``
+on 127.0.0.1 (``--port``) is up and idle through the rounds, as the serving processes are beside a
 served engine, and each burst records how long after the server's start it began.
 
 Reports each burst's throughput and CPU-seconds (the engine's whole process; beside them, what
@@ -41,7 +42,7 @@ from bursts import READY, serve, timed
 from common import REPO_ROOT, machine_info, write_json
 from offline import export_hf_folder, native_dtypes
 from process_cpu import ProcessCpu
-from serving import MESHSERVE, Server
+from serving import MESHSERVE, SETTLE_S, Server
 from vllm_worker import CPU_SETTINGS
 
 SLOW = 0.95  # a burst below this share of its engine's median throughput is a slow one
@@ -170,6 +171,7 @@ def run_rounds(engines: dict[str, Any], args: argparse.Namespace,
         prompts = synthetic_prompts(args.num_prompts, args.seed + index)
         for turn in range(len(names)):
             name = names[(index + turn) % len(names)]
+            time.sleep(args.pause)  # the engine before may still wind down (vLLM's polls)
             since_server = (None if server_started is None
                             else round(time.monotonic() - server_started, 1))
             with ProcessCpu() as cpu:
@@ -235,6 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beside-server", action="store_true",
                    help="keep an idle `meshserve serve` up beside the engines")
     p.add_argument("--port", type=int, default=8000, help="the idle server's port")
+    p.add_argument("--pause", type=float, default=SETTLE_S,
+                   help="seconds of quiet before each burst: vLLM-CPU's worker polls a core for "
+                        "about a second after its burst, which would fall on the next engine's")
     p.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/drift.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run as the plain process
     args = p.parse_args(argv)
