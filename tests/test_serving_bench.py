@@ -208,6 +208,18 @@ def test_report_writes_json_and_png_beside_it(tmp_path: Path, stream: bool) -> N
     assert ("n/a" in tpot_row) is not stream
 
 
+def test_report_keeps_request_times_to_the_microsecond(tmp_path: Path) -> None:
+    timed = RequestResult(ok=True, e2e=1.23456789, ttft=0.12345649, output_tokens=3,
+                          itl=(0.5555557, 0.5555552))
+    result = BenchResult(config=BenchConfig(url="http://h:8000", model="m", num_prompts=1,
+                                            stream=True), duration=2.0, requests=(timed,))
+    json_path, _ = write_report(result, tmp_path / "us.json")
+    [request] = json.loads(json_path.read_text(encoding="utf-8"))["requests"]
+    assert (request["e2e"], request["ttft"], request["itl"]) == (1.234568, 0.123456,
+                                                                 [0.555556, 0.555555])
+    assert request["tpot"] == round(timed.tpot, 6) and request["output_tokens"] == 3
+
+
 # --- CLI and a real connection failure ------------------------------------------------------
 
 

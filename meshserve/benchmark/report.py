@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from meshserve.benchmark.results import PERCENTILES, BenchResult, Round
+from meshserve.benchmark.results import PERCENTILES, BenchResult, RequestResult, Round
 
 
 def format_table(result: BenchResult) -> str:
@@ -48,11 +48,21 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def _request_record(request: RequestResult) -> dict[str, Any]:
+    """One request's measurements, times in seconds to the microsecond: the digits beyond are the
+    clock's noise, and a report of a thousand streamed requests would be mostly those."""
+    def us(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds, 6)
+
+    return {**asdict(request), "e2e": us(request.e2e), "ttft": us(request.ttft),
+            "itl": [us(gap) for gap in request.itl], "tpot": us(request.tpot)}
+
+
 def _run_record(result: BenchResult) -> dict[str, Any]:
     config = asdict(result.config)
     config["api_key"] = "<set>" if config["api_key"] else None  # never write a secret to disk
     return {"config": config, "results": result.summary(),
-            "requests": [{**asdict(r), "tpot": r.tpot} for r in result.requests]}
+            "requests": [_request_record(r) for r in result.requests]}
 
 
 def compare(result: BenchResult, peer: BenchResult) -> dict[str, float | None]:
