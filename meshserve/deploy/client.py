@@ -9,9 +9,10 @@ fans out to its sequences here, in-process. Token traffic is therefore one messa
 per caller process, whatever the number of sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
-the failed replica); one that had started ends with ``ReplicaFailed``. While it has sequences on a
-replica the client renews its lease at the lead every ``KEEPALIVE_S``; if this process dies, the
-lead aborts them once the lease runs out.
+the failed replica); one that had started ends with ``ReplicaFailed``. For as long as it streams
+from a replica (the stream stays open between sequences, so the next one needs no Serve call) the
+client renews its lease at the lead every ``KEEPALIVE_S``; if this process dies, the lead aborts
+its sequences once the lease runs out.
 
 The HTTP ingress uses one per replica; a Ray program can use one too::
 
