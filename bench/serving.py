@@ -73,6 +73,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from meshserve.benchmark.cli import DEFAULT_PAUSE_S
 from meshserve.deploy.listener import listening_socket
 
 from common import REPO_ROOT, bar_chart, machine_info, write_json
@@ -83,10 +84,9 @@ from vllm_worker import CPU_SETTINGS
 MESHSERVE = str(Path(sys.executable).with_name("meshserve"))
 BESIDE = "offline beside the idle server"  # the --idle-floor leg
 WARM_UP_TOKENS = 8  # each warm-up prompt's output, in every leg
-# After a server's warm-up, before its measured run: as `bench serve --pause`, long enough for
-# work that outlives a run (vLLM-CPU's worker polls a core for about a second after its last
-# response) to end before the next.
-SETTLE_S = 5.0
+# After a server's warm-up, before its measured run: `bench serve --pause`'s default, long enough
+# for work that outlives a run to end before the next.
+SETTLE_S = DEFAULT_PAUSE_S
 _OFFLINE = """
 import json, sys, time
 from meshserve import LLM, SamplingParams

@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from meshserve.benchmark.results import BenchConfig, Round
 
+# Seconds before each run but the first: vLLM-CPU's worker polls a core for about a second after
+# its last response, and a run started at once pays for it (bench/README.md). Harnesses that
+# take turns between servers or engines use the same pause.
+DEFAULT_PAUSE_S = 5.0
+
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench serve`` on a CLI; the handler is ``args.func(args) -> int``."""
@@ -51,7 +56,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                             "seed + 1, ...); with --compare the server that goes first alternates, "
                             "so a machine's drift falls on both, and the ratios reported are the "
                             "medians of the rounds' (default 1)")
-    serve.add_argument("--pause", type=float, default=5.0,
+    serve.add_argument("--pause", type=float, default=DEFAULT_PAUSE_S,
                        help="seconds to wait before each run but the first, so that work a server "
                             "still does after its run (a busy-polling worker winding down) does "
                             "not fall on the next run (default 5)")
