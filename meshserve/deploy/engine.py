@@ -131,7 +131,8 @@ class EngineReplica:
                 "owed_tokens": sum(load["owed_tokens"].values()), "engine": asdict(engine)}
 
     async def record_routing_stats(self) -> dict:
-        """What every caller's ``EngineRouter`` sees of this replica (Serve polls it)."""
+        """What every caller's ``EngineRouter`` sees of this replica (Serve polls it every
+        ``ROUTING_STATS_PERIOD_S`` where there are several replicas)."""
         return {"owed_tokens": (await self.lead.load.remote())["owed_tokens"]}
 
     async def check_health(self) -> None:
