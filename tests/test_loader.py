@@ -197,31 +197,17 @@ def test_unsupported_variants(tmp_path, builder, changes, message):
     with pytest.raises(ValueError, match=message):
         load_model(folder, progress=False)
 
-def test_missing_config(tmp_path):
-    folder = build_tiny_llama(str(tmp_path))
-    os.remove(os.path.join(folder, "config.json"))
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_model(folder, progress=False)
 
-
-def test_missing_safetensors(tmp_path):
-    folder = build_tiny_llama(str(tmp_path))
-    os.remove(os.path.join(folder, "model.safetensors"))
-    with pytest.raises(FileNotFoundError, match=r"safetensors.*" + str(tmp_path)):
-        load_model(folder, progress=False)
-
-
-def test_missing_shard(tmp_path):
-    folder = build_tiny_mistral(str(tmp_path))
-    os.remove(os.path.join(folder, "model-00002-of-00003.safetensors"))
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors"):
-        load_model(folder, progress=False)
-
-
-def test_missing_tokenizer(tmp_path):
-    folder = build_tiny_llama(str(tmp_path))
-    os.remove(os.path.join(folder, "tokenizer.json"))
-    with pytest.raises(FileNotFoundError, match="tokenizer"):
+@pytest.mark.parametrize("builder, removed, message", [
+    (build_tiny_llama, "config.json", "config.json"),
+    (build_tiny_llama, "model.safetensors", r"safetensors.*{folder}"),
+    (build_tiny_mistral, "model-00002-of-00003.safetensors", "model-00002-of-00003.safetensors"),
+    (build_tiny_llama, "tokenizer.json", "tokenizer"),
+], ids=["config", "safetensors", "shard", "tokenizer"])
+def test_missing_file(tmp_path, builder, removed, message):
+    folder = builder(str(tmp_path))
+    os.remove(os.path.join(folder, removed))
+    with pytest.raises(FileNotFoundError, match=message.format(folder=tmp_path)):
         load_model(folder, progress=False)
 
 

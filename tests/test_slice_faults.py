@@ -12,15 +12,14 @@ back with every KV block free.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import psutil
 import pytest
 
+from tests.fault_streams import Outcome, Wave, assert_serves_again
 from tests.local_cluster import local_cluster
 from tests.server import start_server
-from tests.test_faults import stream
 from tests.test_slice_serve import cluster_processes
 
 pytestmark = pytest.mark.slow
@@ -28,15 +27,7 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = 5.0  # --step-deadline-s
 SETTLE_S = 20.0  # after the deadline: the failure reaches the ingress and the streams end
 RECOVERY_S = 180.0  # Serve notices, replaces the replica and the new one loads
-
-
-ENDED: dict[str, float] = {}  # prompt -> when its stream ended
-
-
-def timed_stream(url: str, prompt: str, max_tokens: int, results: dict,
-                 started: threading.Event) -> None:
-    stream(url, prompt, max_tokens, results, started)
-    ENDED[prompt] = time.monotonic()
+STREAM_S = 120.0  # the longest any stream may take
 
 
 def followers() -> list[psutil.Process]:
@@ -54,58 +45,35 @@ def test_a_frozen_host_fails_its_replica_within_the_deadline_and_serving_comes_b
         try:
             hosts = followers()
             assert len(hosts) == 2
-            results: dict = {}
-            running = [threading.Event() for _ in range(8)]
-            first = [threading.Thread(target=timed_stream, args=(server.url, f"wave one {i}", 200,
-                                                           results, running[i]))
-                     for i in range(8)]
-            for t in first:
-                t.start()
-            for event in running:
-                assert event.wait(120), "generation did not start"
+            results: dict[str, Outcome] = {}
+            wave_one = Wave(server.url, "wave one", 8, 200, results, STREAM_S)
+            wave_one.wait_started(STREAM_S)
             frozen = hosts[0]
             frozen.send_signal(signal.SIGSTOP)
             frozen_at = time.monotonic()
             try:
                 # Sequences that arrive after the freeze must not wait on the frozen replica.
-                second = [threading.Thread(target=timed_stream, args=(server.url, f"wave two {i}", 16,
-                                                                results, threading.Event()))
-                          for i in range(6)]
-                for t in second:
-                    t.start()
-                for t in first + second:
-                    t.join(120)
-                assert not any(t.is_alive() for t in first + second), "a request never ended"
+                wave_two = Wave(server.url, "wave two", 6, 16, results, STREAM_S)
+                wave_one.join(STREAM_S)
+                wave_two.join(STREAM_S)
             finally:
                 if frozen.is_running():
                     frozen.send_signal(signal.SIGCONT)
 
-            outcomes = {p: r[0] for p, r in results.items()}
-            wave_one = [f"wave one {i}" for i in range(8)]
-            assert {outcomes[p] for p in wave_one} <= {"error-event", "length"}, outcomes
+            ends = {prompt: outcome.end for prompt, outcome in results.items()}
+            assert {ends[p] for p in wave_one.prompts} <= {"error-event", "length"}, ends
             # The frozen replica's running streams ended with an error, within the deadline.
-            failed = [p for p in wave_one if outcomes[p] == "error-event"]
-            assert failed, outcomes
-            late = {p: ENDED[p] - frozen_at for p in failed}
+            failed = [p for p in wave_one.prompts if ends[p] == "error-event"]
+            assert failed, ends
+            late = {p: results[p].ended_at - frozen_at for p in failed}
             assert all(t < DEADLINE_S + SETTLE_S for t in late.values()), late
-            wave_two = {p: results[p] for p in outcomes if p.startswith("wave two")}
-            assert all(r[0] == "length" for r in wave_two.values()), wave_two
+            assert all(ends[p] == "length" for p in wave_two.prompts), ends
 
             deadline = time.monotonic() + RECOVERY_S
             while server.metrics()["meshserve_healthy_replicas"] < 2 or len(followers()) < 2 \
                     or frozen in followers():
                 assert time.monotonic() < deadline, "the failed replica was not replaced"
                 time.sleep(0.5)
-            after: dict = {}
-            third = [threading.Thread(target=timed_stream, args=(server.url, f"after {i}", 10, after,
-                                                           threading.Event())) for i in range(6)]
-            for t in third:
-                t.start()
-            for t in third:
-                t.join(120)
-            assert len(after) == 6 and all(r[0] == "length" for r in after.values()), after
-            metrics = server.wait_idle()
-            assert metrics["meshserve_kv_cache_free_blocks"] == \
-                metrics["meshserve_kv_cache_total_blocks"]
+            assert_serves_again(server, STREAM_S)
         finally:
             server.stop()

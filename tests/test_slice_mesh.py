@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +21,8 @@ import pytest
 from meshserve.spmd.mesh import (DATA_AXIS, EMULATED_HOSTS_ENV, MODEL_AXIS, Device,
                                  emulated_devices, topology_order)
 from meshserve.spmd.sharding import KV_CACHE_SPEC, weight_spec
+from tests.xla_child import run_xla_child
 
-REPO = Path(__file__).resolve().parent.parent
 ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
               num_kv_blocks=96)
 MAX_TOKENS = 12
@@ -116,14 +113,8 @@ def expected_sharding(mesh: np.ndarray, spec: tuple) -> tuple[list[int], list[in
 
 
 def run_slice(jobs: list[dict]) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(HOSTS * CHIPS),
-               TF_CPP_MIN_LOG_LEVEL="2", **{EMULATED_HOSTS_ENV: str(HOSTS)})
-    proc = subprocess.run([sys.executable, "-m", "tests.test_slice_mesh"], input=json.dumps(jobs),
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["fallback_ops"] == []  # every op lowered to XLA: no hidden CPU round trips
-    return report
+    return run_xla_child("tests.test_slice_mesh", HOSTS * CHIPS, jobs, timeout=900,
+                         env={EMULATED_HOSTS_ENV: str(HOSTS)})
 
 
 def eager_tokens(model: str) -> list[list[int]]:

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.xla_child import run_xla_child
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 ENGINE = dict(dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256,
               num_kv_blocks=160)
 MAX_TOKENS = 16
@@ -110,14 +108,7 @@ def _child_main() -> None:
 
 # ---------------------------------------------------------------------------------- the parent
 def run_child(devices: int, jobs: list[dict]) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_xla_engine"], input=json.dumps(jobs),
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["fallback_ops"] == []  # every op lowered to XLA: no hidden CPU round trips
-    return report
+    return run_xla_child("tests.test_xla_engine", devices, jobs, timeout=600)
 
 
 # Seeded sampling with both rank filters, logprobs and prompt logprobs: every sampler variant
