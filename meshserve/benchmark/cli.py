@@ -55,11 +55,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                        help="run the workload this many times, on fresh prompts each round (seed, "
                             "seed + 1, ...); with --compare the server that goes first alternates, "
                             "so a machine's drift falls on both, and the ratios reported are the "
-                            "medians of the rounds' (default 1)")
+                            "medians of the rounds' (default %(default)s)")
     serve.add_argument("--pause", type=float, default=DEFAULT_PAUSE_S,
                        help="seconds to wait before each run but the first, so that work a server "
                             "still does after its run (a busy-polling worker winding down) does "
-                            "not fall on the next run (default 5)")
+                            "not fall on the next run (default %(default)s)")
     serve.set_defaults(func=_run_serve)
     return serve
 
