@@ -41,7 +41,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         "request and streamed chunk to an ingress replica, as on KubeRay) "
                         "(default: ingress)")
     p.add_argument("--address", default=None,
-                   help="an existing Ray cluster to join (default: start a local one on 127.0.0.1)")
+                   help="an existing Ray cluster to join, or auto for the one `ray start` runs "
+                        "on this machine (default: start a local one on 127.0.0.1)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM (default: 30)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
@@ -81,8 +82,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"meshserve serve: {exc}", file=sys.stderr)
         return 2
-    if not args.address:  # the server and its hosts run on this machine: clear errors now, not
-        # a replica that fails to bind or to claim its CPUs once the model has loaded
+    if not args.address:
+        # Set before anything imports Ray, which reads RAY_AUTH_MODE then; the processes it
+        # starts inherit them all.
+        for name, value in {**CALM_RAY_ENV, **LOCAL_AUTH_ENV}.items():
+            os.environ.setdefault(name, value)
+        # The server and its hosts run on this machine: clear errors now, not a replica that
+        # fails to bind or to claim its CPUs once the model has loaded.
         from meshserve.actors.cpus import split_cpus
         from meshserve.deploy.listener import listening_socket
 
@@ -103,10 +109,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from meshserve.deploy.app import build_app
 
     if args.address:
-        ray.init(address=args.address, logging_level=args.log_level.upper())
+        try:
+            ray.init(address=args.address, logging_level=args.log_level.upper())
+        except ConnectionError as exc:
+            print(f"meshserve serve: {join_failure(args.address, exc)}", file=sys.stderr)
+            return 2
     else:
-        for name, value in CALM_RAY_ENV.items():  # the processes Ray starts inherit these
-            os.environ.setdefault(name, value)
         # address="local": a cluster of its own, even when another runs on this machine.
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  logging_level=args.log_level.upper())
@@ -169,6 +177,25 @@ CALM_RAY_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
                 "RAY_enable_metrics_collection": "0"}
 
 
+# Ray turns token authentication on for a new local cluster, and says so on the console; asked for
+# by name it is the same cluster without the notice. RAY_AUTH_MODE=disabled in the environment
+# still turns it off.
+LOCAL_AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+
+
+def join_failure(address: str, exc: ConnectionError) -> str:
+    """Why ``--address`` could not be joined, in one line; for a cluster that wants a token,
+    what to set. Ray sends its token only where ``RAY_AUTH_MODE=token`` says to (or to the cluster
+    it finds on this machine with ``auto``), never to an address it is merely given."""
+    reason = f"{exc}: {exc.__cause__}" if exc.__cause__ is not None else str(exc)
+    if "InvalidAuthToken" in reason:
+        return (f"cannot join the Ray cluster at {address}: it requires Ray's token "
+                "authentication; set RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN or "
+                "RAY_AUTH_TOKEN_PATH where the token is not in ~/.ray/auth_token), or use "
+                "--address auto for the cluster that runs on this machine")
+    return f"cannot join the Ray cluster at {address}: {reason.splitlines()[0]}"
+
+
 def quiet_logs(level: str):
     """Apply ``--log-level`` here and in every process the server starts; returns Serve's
     logging config for its components and replicas."""
@@ -176,7 +203,7 @@ def quiet_logs(level: str):
 
     from ray.serve.schema import LoggingConfig
 
-    from meshserve.deploy.logs import LOG_LEVEL_ENV, configure_process_logging
+    from meshserve.logs import LOG_LEVEL_ENV, configure_process_logging
 
     # Replicas read it when they start (they inherit this environment on a local cluster).
     os.environ[LOG_LEVEL_ENV] = level

@@ -9,6 +9,7 @@ from meshserve.actors.cpus import claim_engine_cpus
 from meshserve.actors.messages import HostInfo
 from meshserve.config import EngineConfig
 from meshserve.engine.engine import EngineCore
+from meshserve.logs import configure_process_logging
 
 # The TPU runtime variables a host may be started with (see placement.py); reported in HostInfo.
 TPU_ENV_VARS = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES")
@@ -23,6 +24,7 @@ class EngineHost:
                  allocate: bool = True) -> None:
         import ray
 
+        configure_process_logging()  # before the engine's imports and builds log anything
         self.engine_cpus = claim_engine_cpus(reserved_cpus)
         # allocate=False: weights only; a multi-host replica sizes its cache by agreement first.
         self.engine = EngineCore(config, allocate=allocate)

@@ -32,9 +32,9 @@ from meshserve.actors.replica import start_replica
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.deploy.engine_placement import EnginePlacement
 from meshserve.deploy.load import ReplicaGone
-from meshserve.deploy.logs import configure_process_logging
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.settings import ServeSettings
+from meshserve.logs import configure_process_logging
 
 logger = logging.getLogger("meshserve.engine")
 bind_serve_grpc_to_node_ip()

@@ -34,11 +34,11 @@ from meshserve.deploy import responses
 from meshserve.deploy.choices import ChoiceRunner
 from meshserve.deploy.client import EngineClient
 from meshserve.deploy.listener import IngressListener
-from meshserve.deploy.logs import configure_process_logging
 from meshserve.deploy.loopback import bind_serve_grpc_to_node_ip
 from meshserve.deploy.metrics import ServingMetrics
 from meshserve.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from meshserve.deploy.settings import ServeSettings
+from meshserve.logs import configure_process_logging
 from meshserve.runner.loader import generation_defaults, load_tokenizer
 from meshserve.structured.openai import constraint_from_request
 from meshserve.structured.tools import ToolPlan, plan_tools, template_tool_format

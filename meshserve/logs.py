@@ -1,8 +1,8 @@
 """How loud the server's processes are: ``meshserve serve --log-level``, applied in each of them.
 
 The CLI puts the level in ``MESHSERVE_LOG_LEVEL``; Ray starts every worker of a local cluster with
-the driver's environment, and each replica applies it when it starts. meshserve's own progress
-lines (loading, warm-up, ready) are printed, not logged, so they show at every level.
+the driver's environment, and each replica and host actor applies it when it starts. meshserve's
+own progress lines (loading, warm-up, ready) are printed, not logged, so they show at every level.
 """
 
 from __future__ import annotations
