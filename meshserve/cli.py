@@ -131,12 +131,12 @@ def run_serve(args: argparse.Namespace) -> int:
                   route_prefix="/", logging_config=logging_config)
     except KeyboardInterrupt:
         print("meshserve: interrupted while loading; stopping", file=sys.stderr, flush=True)
-        serve.shutdown()
+        leave_serve(joined=bool(args.address))
         ray.shutdown()
         return 130
     except Exception as exc:  # noqa: BLE001 - report why the model did not come up
         print(f"meshserve: the model failed to start: {exc}", file=sys.stderr)
-        serve.shutdown()
+        leave_serve(joined=bool(args.address))
         return 1
     print(f"meshserve: ready in {time.monotonic() - started:.0f}s, serving "
           f"{settings.model_name()!r} at {url}/v1 (Ctrl+C to stop)", flush=True)
@@ -145,8 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     drain(args.drain_timeout)
-    if args.address:  # a cluster of someone else's: take Serve off it, leave the cluster up
-        serve.shutdown()
+    if args.address:  # a cluster of someone else's: leave it up
+        leave_serve(joined=True)
     # Otherwise the cluster is this process's own, and every Serve process ends with it. Serve's
     # shutdown would add nothing once drained but two warnings on the console: its controller
     # kills itself while calls to it, which Ray retries, are still out.
@@ -213,6 +213,18 @@ def quiet_logs(level: str):
     logging.getLogger("ray.serve").setLevel(level.upper())
     verbose = level in ("debug", "info")
     return LoggingConfig(log_level=level.upper(), enable_access_log=verbose)
+
+
+def leave_serve(joined: bool) -> None:
+    """Take meshserve's application off Serve, and Serve off the cluster, except from a cluster
+    this process joined where Serve runs other applications: they are someone else's."""
+    from ray import serve
+
+    if joined:
+        serve.delete(APP_NAME)
+        if serve.status().applications:
+            return
+    serve.shutdown()
 
 
 def drain(timeout_s: float) -> None:
