@@ -28,6 +28,7 @@ from meshserve import LLM, SamplingParams
 from meshserve.actors import (Completion, FollowerHost, GenerateSpec, HostError, HostInfo,
                               place_hosts, start_host, start_replica, start_replicas)
 from meshserve.actors.lockstep import check_agreement
+from meshserve.actors.messages import ServerDraining
 from meshserve.actors.placement import TpuSliceShape, tpu_slice_shape
 from meshserve.deploy.app import build_app
 from meshserve.deploy.client import EngineClient, replica_lost
@@ -359,6 +360,31 @@ def test_a_host_that_reserves_cpus_computes_on_the_rest_and_generates_the_same(
         prompts = _tokens(reference, PROMPTS)
         completions = ray.get([host.generate.remote(p, GREEDY) for p in prompts], timeout=120)
         assert [list(c.token_ids) for c in completions] == _expected(reference, prompts, GREEDY)
+    finally:
+        ray.kill(host)
+
+
+@slow
+def test_a_retiring_host_finishes_its_sequences_then_ends_its_streams(cluster, reference,
+                                                                      tiny_llama_dir):
+    # What an engine replica has its lead do when Serve stops it (EngineReplica.__del__).
+    host = start_host(_settings(tiny_llama_dir).engine)
+    try:
+        prompt = _tokens(reference, PROMPTS[:1])[0]
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = host.outputs.options(num_returns="streaming").remote("retiring")
+        assert ray.get(host.submit.remote("retiring", [GenerateSpec("running", prompt, params)]),
+                       timeout=60) == [None]
+        retired = host.retire.remote(120.0)
+        deltas = [d for ref in stream for d in ray.get(ref, timeout=120)]  # it ends, no error
+        assert [t for d in deltas for t in d.token_ids] == _expected(reference, [prompt],
+                                                                     params)[0]
+        assert deltas[-1].finish_reason == "length"
+        assert ray.get(retired, timeout=60) == {"in_flight": 1, "finished": 1, "cancelled": 0}
+        with pytest.raises(ServerDraining):
+            ray.get(host.submit.remote("retiring", [GenerateSpec("late", prompt, params)]),
+                    timeout=60)
+        assert list(host.outputs.options(num_returns="streaming").remote("late")) == []
     finally:
         ray.kill(host)
 

@@ -1,5 +1,6 @@
 """``meshserve serve --address`` on a cluster it shares: another Serve application there keeps
-serving while meshserve runs and after it stops; only meshserve's application leaves with it."""
+serving while meshserve runs and after it stops; only meshserve's application leaves with it, in
+good order (its engine replica retires: its caller sees it leave, not fail)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def test_stopping_takes_only_meshserve_off_a_shared_cluster(tiny_llama_dir: str,
                 assert set(serve.status().applications) == {"neighbour", "meshserve"}
             finally:
                 server.stop()
-            assert server.process.returncode == 0, server.log.read_text()[-3000:]
+            text = server.log.read_text()
+            assert server.process.returncode == 0, text[-3000:]
+            # The engine replica retired: its caller saw it leave, not fail.
+            assert "ERROR" not in text, text[-3000:]
             assert set(serve.status().applications) == {"neighbour"}
             assert neighbour.remote().result(timeout_s=60) == "still here"
         finally:

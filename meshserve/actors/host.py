@@ -77,6 +77,7 @@ class HostActor(EngineHost):
         self._leases: dict[str, float] = {}  # leased channel -> when its subscriber was heard of
         self._sweeper: asyncio.Task | None = None
         self._draining = False
+        self._retired = False  # its replica is leaving: output streams end once emptied
         self._error: str | None = None
         # The engine is built, warmed up and stepped on this one thread. OpenMP keeps a thread
         # pool per thread that enters a parallel region; with a second pool (the constructor's)
@@ -204,6 +205,16 @@ class HostActor(EngineHost):
         cancelled = self.cancel_all(ServerDraining("the server is shutting down"))
         return {"in_flight": running, "finished": running - cancelled, "cancelled": cancelled}
 
+    async def retire(self, timeout_s: float) -> dict:
+        """Leave service in good order (Serve is stopping this replica): ``drain`` for up to
+        ``timeout_s``, then end every output stream once its reader has what was queued, so that
+        callers see the replica leave, not fail; return what ``drain`` did."""
+        outcome = await self.drain(timeout_s)
+        self._retired = True
+        for out in self._channels.values():
+            out.put_nowait([])  # wakes a reader waiting on an empty channel
+        return outcome
+
     @property
     def failure(self) -> str | None:
         """Why the engine stopped or is stuck (it takes no more work), or None while it serves."""
@@ -215,12 +226,14 @@ class HostActor(EngineHost):
 
     async def outputs(self, channel: str) -> AsyncIterator[list[TokenDelta]]:
         """The stream of token deltas for the requests submitted on ``channel`` (call it with
-        ``.options(num_returns="streaming")``)."""
+        ``.options(num_returns="streaming")``); it ends only once the host has retired."""
         self.keepalive(channel)
         out = self._open(channel)
         try:
-            while True:
-                yield await next_batch(out)
+            while not (self._retired and out.empty()):
+                batch = await next_batch(out)
+                if batch:
+                    yield batch
         finally:
             if self._channels.get(channel) is out:
                 self._channels.pop(channel, None)

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from meshserve.deploy.engine import EngineReplica
+from meshserve.deploy.engine import RETIRE_S, EngineReplica
 from meshserve.deploy.engine_placement import engine_placement
 from meshserve.deploy.ingress import INGRESS_ACTOR_OPTIONS, OpenAIIngress
 from meshserve.deploy.routing import EngineRouter
@@ -55,7 +55,7 @@ def engine_deployment(settings: ServeSettings) -> Application:
         # Loading may compile for minutes; a constructor that fails is a setting to fix.
         max_constructor_retry_count=1,
         health_check_period_s=2.0, health_check_timeout_s=30.0,
-        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=5,
+        graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=RETIRE_S + 5,
         **placement.deployment_options())
     return deployment.bind(settings, placement)
 

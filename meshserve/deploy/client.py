@@ -194,7 +194,8 @@ class EngineClient:
             self._keepalive = asyncio.get_running_loop().create_task(self._renew())
 
     async def _pump(self, replica_id: str, lead) -> None:
-        """Fan this process's stream from one replica's lead out to the sequences."""
+        """Fan this process's stream from one replica's lead out to the sequences, until the
+        replica leaves (Serve stopped it: the stream ends) or fails."""
         try:
             stream = lead.outputs.options(num_returns="streaming").remote(self.channel)
             async for ref in stream:
@@ -206,18 +207,21 @@ class EngineClient:
                     queue = self._sequences.get(request_id)
                     if queue is not None:
                         queue.put_nowait(items)
-            raise ReplicaFailed("its output stream ended")
+            logger.info("engine replica %s left", replica_id)
+            failure = ReplicaFailed(f"engine replica {replica_id} left")
         except Exception as exc:  # noqa: BLE001 - the replica died or its engine failed
             logger.error("engine replica %s failed: %r", replica_id, exc)
-            self.book.mark_failed(replica_id)
             failure = ReplicaFailed(f"engine replica {replica_id} failed: {exc}")
-            for request_id, owner in list(self._replica_of.items()):
-                queue = self._sequences.get(request_id)
-                if owner == replica_id and queue is not None:
-                    queue.put_nowait([failure])
         finally:
             self._pumps.pop(replica_id, None)
             self._leads.pop(replica_id, None)
+        # Sequences still placed there (none, after a replica's orderly exit) end, or, without
+        # a token yet, are placed again elsewhere.
+        self.book.mark_failed(replica_id)
+        for request_id, owner in list(self._replica_of.items()):
+            queue = self._sequences.get(request_id)
+            if owner == replica_id and queue is not None:
+                queue.put_nowait([failure])
 
     async def _renew(self) -> None:
         """Keep this process's leases on the replicas it streams from."""

@@ -4,7 +4,9 @@ A replica places and supervises; it computes nothing. It starts its lead ``HostA
 multi-host replica, a ``FollowerHost`` per other host) in its own placement group
 (``engine_placement.py``), so the hosts share its fate: Serve removes them with the replica, and
 restarts a replica whose hosts died or whose engine stopped (``check_health``), placement group and
-all. Nothing that happens to a caller rebuilds a replica.
+all. A replica that Serve stops in good order (a scale-down, an update) retires its lead first:
+running sequences finish, then its callers' streams end. Nothing that happens to a caller
+rebuilds a replica.
 
 Callers (``client.EngineClient``, one per process) place each sequence with a handle whose
 ``EngineRouter`` picks the replica: ``submit(channel, spec)`` queues it on the lead and returns the
@@ -40,6 +42,11 @@ logger = logging.getLogger("meshserve.engine")
 bind_serve_grpc_to_node_ip()
 
 HEALTH_TIMEOUT_S = 10.0  # a lead that cannot answer this fast is as good as gone
+# How long a replica that Serve stops lets its running sequences finish (its deployment's
+# graceful_shutdown_timeout_s leaves a margin on top), and how fast its lead must say it is
+# healthy first: Serve stops a replica that failed its health check the same way.
+RETIRE_S = 25.0
+RETIRE_HEALTH_S = 2.0
 
 
 class EngineReplica:
@@ -77,6 +84,21 @@ class EngineReplica:
         logger.error("engine replica %s: %s; leaving so that Serve replaces it",
                      self.replica_id, reason)
         os._exit(1)
+
+    async def __del__(self) -> None:
+        """Serve is stopping this replica (a scale-down, an update, the application's deletion):
+        let its sequences finish for up to ``RETIRE_S``, then end its callers' streams, so that
+        they see the replica leave instead of fail. A lead that is failing is left as it is."""
+        lead = getattr(self, "lead", None)  # the constructor may not have got that far
+        if lead is None:
+            return
+        try:
+            await asyncio.wait_for(lead.health.remote(), RETIRE_HEALTH_S)
+        except Exception as exc:  # noqa: BLE001 - failing, hung or gone: nothing to wind down
+            logger.info("engine replica %s stops without retiring: %r", self.replica_id, exc)
+            return
+        outcome = await lead.retire.remote(RETIRE_S)
+        logger.info("engine replica %s retired: %s", self.replica_id, outcome)
 
     # ------------------------------------------------------------------ callers
     async def submit(self, channel: str, spec: GenerateSpec, replica_id: str | None = None
