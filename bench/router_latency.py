@@ -211,10 +211,10 @@ def http_path(settings, max_tokens: int, port: int, stack: ExitStack,
     Serve's proxy, which listens there."""
     from ray import serve
 
-    from meshserve.deploy.app import build_app
+    from meshserve.deploy.app import application
 
     name = "meshserve" if listen else "meshserve-proxied"
-    serve.run(build_app(settings, ("127.0.0.1", port) if listen else None), name=name,
+    serve.run(application(settings, ("127.0.0.1", port) if listen else None), name=name,
               route_prefix=None if listen else "/")
     stack.callback(serve.delete, name)
     url = f"http://127.0.0.1:{port}/v1/completions"

@@ -106,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from meshserve.deploy.app import build_app
+    from meshserve.deploy.app import application
 
     if args.address:
         try:
@@ -127,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         # Returns once every replica has loaded and warmed up (Serve waits for their
         # constructors, without calling into the application).
-        serve.run(build_app(settings, (args.host, args.port) if direct else None), name=APP_NAME,
+        serve.run(application(settings, (args.host, args.port) if direct else None), name=APP_NAME,
                   route_prefix="/", logging_config=logging_config)
     except KeyboardInterrupt:
         print("meshserve: interrupted while loading; stopping", file=sys.stderr, flush=True)

@@ -321,12 +321,15 @@ def test_api_key_secret_reaches_args_and_every_pod() -> None:
 def test_import_path_builds_the_application_without_starting_ray() -> None:
     ray = pytest.importorskip("ray")
     from ray import serve
+    # What Serve does with an import path and its args (serve run, and the controller with a
+    # serveConfigV2): it also checks the builder's signature.
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     config = yaml.safe_load(render(EXAMPLES["v6e-4x4-multi-host.yaml"])["spec"]["serveConfigV2"])
     (app,) = config["applications"]
     module_name, attribute = app["import_path"].split(":")
-    build_app = getattr(importlib.import_module(module_name), attribute)
-    application = build_app(app["args"])
+    builder = getattr(importlib.import_module(module_name), attribute)
+    application = call_user_app_builder_with_args_if_necessary(builder, app["args"])
     assert isinstance(application, serve.Application)
     assert not ray.is_initialized()
 

@@ -60,14 +60,21 @@ def engine_deployment(settings: ServeSettings) -> Application:
     return deployment.bind(settings, placement)
 
 
-def build_app(args: dict | ServeSettings | None = None,
-              listen: tuple[str, int] | None = None) -> Application:
-    """The ingress → engines application for ``ServeSettings.from_args(args)``.
+def build_app(args: dict | ServeSettings | None = None) -> Application:
+    """The ingress → engines application for ``ServeSettings.from_args(args)``, behind Serve's
+    proxy: the builder that ``serve run`` and KubeRay's ``serveConfigV2`` import, which Serve
+    calls with the ``args`` map alone (it refuses a builder of more than one parameter)."""
+    settings = args if isinstance(args, ServeSettings) else ServeSettings.from_args(args)
+    return application(settings)
+
+
+def application(settings: ServeSettings, listen: tuple[str, int] | None = None) -> Application:
+    """The ingress → engines application of ``settings``.
 
     ``listen``: ``(host, port)`` on which every ingress replica serves HTTP itself (start Serve
-    with ``proxy_location="Disabled"`` then); None: Serve's proxy serves it.
+    with ``proxy_location="Disabled"`` then; ``meshserve serve`` does); None: Serve's proxy
+    serves it.
     """
-    settings = args if isinstance(args, ServeSettings) else ServeSettings.from_args(args)
     placed = {} if listen is None else {"resources": HEAD_NODE}
     ingress = OpenAIIngress.options(num_replicas=settings.ingress_replicas,
                                     ray_actor_options={**INGRESS_ACTOR_OPTIONS, **placed})
