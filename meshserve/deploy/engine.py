@@ -97,7 +97,11 @@ class EngineReplica:
         except Exception as exc:  # noqa: BLE001 - failing, hung or gone: nothing to wind down
             logger.info("engine replica %s stops without retiring: %r", self.replica_id, exc)
             return
-        outcome = await lead.retire.remote(RETIRE_S)
+        try:
+            outcome = await lead.retire.remote(RETIRE_S)
+        except Exception as exc:  # noqa: BLE001 - it died meanwhile: its callers see that
+            logger.info("engine replica %s did not retire: %r", self.replica_id, exc)
+            return
         logger.info("engine replica %s retired: %s", self.replica_id, outcome)
 
     # ------------------------------------------------------------------ callers
