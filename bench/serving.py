@@ -55,7 +55,6 @@ tokens. CPU figures only.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -199,7 +198,7 @@ def bench_server(server: Server, args: argparse.Namespace, warm_up: list[str],
     server idle), stop it; returns the results, the CPU-seconds each kind of process spent while
     the workload ran, and the engine steps the workload took (``step_figures``; None for a server
     without meshserve's metrics)."""
-    from meshserve.benchmark.client import run_benchmark, served_model
+    from meshserve.benchmark.client import run, run_benchmark, served_model
     from meshserve.benchmark.results import BenchConfig
 
     try:
@@ -207,12 +206,12 @@ def bench_server(server: Server, args: argparse.Namespace, warm_up: list[str],
         config = BenchConfig(url=server.url, model="unset", num_prompts=args.num_prompts,
                              concurrency=args.concurrency, stream=True,
                              max_tokens=args.max_tokens, seed=args.seed, timeout=args.timeout)
-        config = replace(config, model=asyncio.run(served_model(config)))
+        config = replace(config, model=run(served_model(config)))
         with tempfile.TemporaryDirectory() as tmp:
             dataset = Path(tmp) / "warm_up.jsonl"
             dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm_up),
                                encoding="utf-8")
-            warmed = asyncio.run(run_benchmark(replace(
+            warmed = run(run_benchmark(replace(
                 config, dataset=str(dataset), num_prompts=len(warm_up),
                 concurrency=len(warm_up), max_tokens=WARM_UP_TOKENS)))
         if len(warmed.completed) != len(warm_up):
@@ -220,7 +219,7 @@ def bench_server(server: Server, args: argparse.Namespace, warm_up: list[str],
         time.sleep(SETTLE_S)
         before = engine_counters(server.url)
         with ProcessCpu() as cpu:
-            results = asyncio.run(run_benchmark(config))
+            results = run(run_benchmark(config))
         after = engine_counters(server.url)
         steps = None
         if before is not None and after is not None:

@@ -2,7 +2,7 @@
 
 It sends ``num_prompts`` completion requests with at most ``concurrency`` in flight and reports
 latency (time to first token, time per output token, inter-token gaps, end to end) and throughput.
-``asyncio.run(client.run_benchmark(results.BenchConfig(...)))`` is the programmatic entry.
+``client.run(client.run_benchmark(results.BenchConfig(...)))`` is the programmatic entry.
 
 Modules: ``results`` (a run's configuration, measurements and statistics), ``prompts``,
 ``stream`` (server-sent events and the timing of one stream), ``client`` (HTTP, the one module

@@ -65,10 +65,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import asyncio
     from dataclasses import replace
 
-    from meshserve.benchmark.client import served_model
+    from meshserve.benchmark.client import run, served_model
     from meshserve.benchmark.report import format_comparison, format_table, write_report
     from meshserve.benchmark.results import BenchConfig, pooled
 
@@ -86,7 +85,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         if args.compare:
             peer_config = replace(config, url=args.compare, model=args.compare_model or "peer")
             if args.compare_model is None:
-                peer_config = replace(peer_config, model=asyncio.run(served_model(peer_config)))
+                peer_config = replace(peer_config, model=run(served_model(peer_config)))
         rounds = _run_rounds(config, peer_config, args.rounds, args.pause)
     except (ValueError, OSError) as error:  # bad flags, an unreadable dataset, no peer model
         print(f"meshserve bench serve: error: {error}", file=sys.stderr)
@@ -109,11 +108,10 @@ def _run_rounds(config: BenchConfig, peer_config: BenchConfig | None, num_rounds
     """Run ``num_rounds`` rounds, each on fresh prompts (the seed plus the round's index), with
     ``pause`` seconds before every run but the first; with a peer, both servers get the same
     prompts within a round and the first of them alternates."""
-    import asyncio
     import time
     from dataclasses import replace
 
-    from meshserve.benchmark.client import run_benchmark
+    from meshserve.benchmark.client import run, run_benchmark
     from meshserve.benchmark.report import format_round
     from meshserve.benchmark.results import Round
 
@@ -127,7 +125,7 @@ def _run_rounds(config: BenchConfig, peer_config: BenchConfig | None, num_rounds
         for name in order:
             if index or runs:
                 time.sleep(pause)
-            runs[name] = asyncio.run(run_benchmark(configs[name]))
+            runs[name] = run(run_benchmark(configs[name]))
         rounds.append(Round(runs["ours"], runs.get("peer"), peer_first=order[0] == "peer"))
         if num_rounds > 1:
             print(format_round(index, num_rounds, rounds[-1]), flush=True)

@@ -6,7 +6,8 @@ network and the server's HTTP layer, which is what a user sees.
 
 The client shares the machine with the server it measures when both run on one host, so it is
 kept cheap: aiohttp reads a 64 x 64 streamed run (32 in flight) for about half the CPU time httpx
-took (0.25 against 0.52 CPU-seconds on 2 cores), time the server under test keeps.
+took (0.25 against 0.52 CPU-seconds on 2 cores), and uvloop runs it for about three quarters of
+what asyncio's own loop took (0.18 against 0.24; ``run``), time the server under test keeps.
 """
 
 from __future__ import annotations
@@ -14,12 +15,26 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import aiohttp
+import uvloop
 
 from meshserve.benchmark.prompts import load_prompts
 from meshserve.benchmark.results import BenchConfig, BenchResult, RequestResult
 from meshserve.benchmark.stream import StreamTimer
+
+
+T = TypeVar("T")
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run one of this module's coroutines to completion on a uvloop event loop, whose
+    per-chunk work (a socket read, a wake-up) is done in C: a 64 x 64 streamed run at concurrency
+    32 cost this client 0.16-0.19 CPU-seconds against 0.23-0.25 on asyncio's loop (4 runs each,
+    2 cores)."""
+    return uvloop.run(coroutine)
 
 
 async def served_model(config: BenchConfig) -> str:
