@@ -94,13 +94,9 @@ class EngineReplica:
             return
         try:
             await asyncio.wait_for(lead.health.remote(), RETIRE_HEALTH_S)
-        except Exception as exc:  # noqa: BLE001 - failing, hung or gone: nothing to wind down
-            logger.info("engine replica %s stops without retiring: %r", self.replica_id, exc)
-            return
-        try:
             outcome = await lead.retire.remote(RETIRE_S)
-        except Exception as exc:  # noqa: BLE001 - it died meanwhile: its callers see that
-            logger.info("engine replica %s did not retire: %r", self.replica_id, exc)
+        except Exception as exc:  # noqa: BLE001 - failing, hung or gone: its callers see that
+            logger.info("engine replica %s stops without retiring: %r", self.replica_id, exc)
             return
         logger.info("engine replica %s retired: %s", self.replica_id, outcome)
 
