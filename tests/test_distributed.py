@@ -259,6 +259,32 @@ def test_a_client_submits_straight_to_the_lead_of_a_replica_it_streams_from(app,
 
 
 @slow
+def test_clients_of_one_process_one_after_another_each_get_every_token(app, reference):
+    # A Ray program may make a client per event loop (asyncio.run each time). A client whose loop
+    # has ended leaves its output stream open at the lead until its lease runs out (Ray does not
+    # end a stream whose reader is gone); the next client must not read from the same channel,
+    # or that stream takes its share of the tokens.
+    prompts = _tokens(reference, PROMPTS[3:5])
+
+    async def first() -> str:
+        client = EngineClient(app.engine)
+        await client.generate(GenerateSpec(uuid.uuid4().hex, prompts[0], GREEDY))
+        (replica_id,) = client._leads  # whose lead keeps streaming to this client
+        return replica_id
+
+    used = asyncio.run(first())
+    second = EngineClient(app.engine)
+    router = second.book.placer
+    second.book.placer = lambda spec: used
+    try:
+        completion = asyncio.run(asyncio.wait_for(
+            second.generate(GenerateSpec(uuid.uuid4().hex, prompts[1], GREEDY)), 60))
+    finally:
+        second.book.placer = router
+    assert list(completion.token_ids) == _expected(reference, [prompts[1]], GREEDY)[0]
+
+
+@slow
 def test_six_prompts_are_split_across_replicas_and_returned_in_order(app, reference):
     prompts = PROMPTS[:6]
     expected = [out.outputs[0].text for out in reference.generate(prompts, GREEDY)]

@@ -16,8 +16,9 @@ from meshserve.deploy.load import LoadBook
 def test_own_channels_are_not_counted_as_other_callers_load() -> None:
     book = LoadBook()
     book.hold("mine", "replica-a", 100)
-    report = {book.caller_id: 40, direct_channel("mine"): 100, "other-caller": 7,
-              direct_channel("theirs"): 5}
+    # Every client of this process streams on a channel of its own.
+    report = {book.new_channel(): 40, book.new_channel(): 30, direct_channel("mine"): 100,
+              "other-caller": 7, direct_channel("theirs"): 5}
     assert book.owed("replica-a") == 100
     assert book.others(report) == 12
 

@@ -2,17 +2,18 @@
 
 Every sequence is placed on its own by this process's ``EngineRouter`` (by load and prefix). It
 goes through the deployment's handle the first time a replica is chosen, and straight to that
-replica's lead host (one actor call) once this process streams from it. The tokens of all of them
+replica's lead host (one actor call) once this client streams from it. The tokens of all of them
 come back over one Ray stream per engine replica in use, straight from its lead host: each item
-of that stream is everything one or more engine steps produced for this process, which the client
-fans out to its sequences here, in-process. Token traffic is therefore one message per engine step
-per caller process, whatever the number of sequences, and no Serve replica relays it.
+of that stream is everything one or more engine steps produced for this client (on a channel of
+its own), which it fans out to its sequences here, in-process. Token traffic is therefore one
+message per engine step per client (the ingress has one per process), whatever the number of
+sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
-the failed replica); one that had started ends with ``ReplicaFailed``. For as long as it streams
-from a replica (the stream stays open between sequences, so the next one needs no Serve call) the
-client renews its lease at the lead every ``KEEPALIVE_S``; if this process dies, the lead aborts
-its sequences once the lease runs out.
+the failed replica); one that had started ends with ``ReplicaFailed``. For as long as the client
+streams from a replica (the stream stays open between sequences, so the next one needs no Serve
+call) it renews its lease at the lead every ``KEEPALIVE_S``; if its process dies (or its event
+loop ends), the lead aborts its sequences once the lease runs out.
 
 The HTTP ingress uses one per replica; a Ray program can use one too::
 
@@ -54,12 +55,12 @@ def replica_lost(exc: BaseException) -> bool:
 
 
 class EngineClient:
-    """Sequences of this process on the ``Engine`` deployment, over one stream per replica."""
+    """One client's sequences on the ``Engine`` deployment, over one stream per replica."""
 
     def __init__(self, handle) -> None:
         self.handle = handle
         self.book = load_book(handle.app_name, handle.deployment_name)
-        self.channel = self.book.caller_id
+        self.channel = self.book.new_channel()
         self._sequences: dict[str, asyncio.Queue] = {}  # request id -> its deltas
         self._replica_of: dict[str, str] = {}  # request id -> engine replica id
         self._leads: dict[str, object] = {}  # engine replica id -> its lead host's actor handle

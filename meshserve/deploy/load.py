@@ -7,6 +7,7 @@ is imported by name, so every router and client of a process meets the same ``Lo
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ class LoadBook:
 
     def __init__(self) -> None:
         self.caller_id = uuid.uuid4().hex[:16]  # how replicas tell this process's load apart
+        self._clients = itertools.count()
         self._lock = threading.Lock()  # the router may run on its own event loop thread
         self._held: dict[str, tuple[str, int]] = {}  # sequence id -> (replica id, tokens)
         self._owed: dict[str, int] = {}
@@ -49,6 +51,12 @@ class LoadBook:
         # The newest router's choice of replica for a sequence (``EngineRouter.place``); None
         # until this process's first call through a handle has started one.
         self.placer: Callable[[GenerateSpec], str | None] | None = None
+
+    def new_channel(self) -> str:
+        """A channel of this process for one client: a host's channel has one reader (its output
+        stream), so two clients of one process (two event loops, or one after another) each
+        need their own; replicas report load per channel, and ``others`` knows these as ours."""
+        return f"{self.caller_id}.{next(self._clients)}"
 
     def hold(self, key: str, replica_id: str, tokens: int) -> None:
         """Count ``tokens`` against ``replica_id`` for sequence ``key`` (moving it if held)."""
@@ -76,7 +84,7 @@ class LoadBook:
 
     def others(self, reported: dict[str, int]) -> int:
         """Tokens in a replica's per-channel load report that other processes owe: without this
-        process's shared channel, or the direct channel of any sequence it placed (``owed``
+        process's clients' channels, or the direct channel of any sequence it placed (``owed``
         counts those still running exactly; a stale report must not count one twice, or one
         that has finished)."""
         now = time.monotonic()
@@ -84,7 +92,8 @@ class LoadBook:
             while self._finished and next(iter(self._finished.values())) <= now:
                 del self._finished[next(iter(self._finished))]
             return sum(tokens for channel, tokens in reported.items()
-                       if channel != self.caller_id and channel not in self._running
+                       if channel.partition(".")[0] != self.caller_id
+                       and channel not in self._running
                        and channel not in self._finished)
 
     def mark_failed(self, replica_id: str) -> None:
