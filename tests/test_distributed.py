@@ -333,6 +333,48 @@ def test_streaming_through_the_engine_handle_delivers_every_token_once_in_order(
     assert reasons.count("length") == 1 and reasons[-1] == "length"
 
 
+@slow
+def test_a_sequence_sent_to_a_retiring_replica_is_placed_on_another(app, reference):
+    # Last of the tests on ``app``: the replica it retires takes nothing new afterwards.
+    # Serve's routers drop a replica it stops before asking its lead to retire, but a caller that
+    # streams from that lead submits to it directly and may choose it in between; the window is
+    # opened here by choosing the retiring replica once, as such a caller would.
+    prompts = _tokens(reference, PROMPTS[:2])
+    long = GenerateSpec(uuid.uuid4().hex, prompts[0],
+                        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    late = GenerateSpec(uuid.uuid4().hex, prompts[1], GREEDY)
+    client = EngineClient(app.engine)
+
+    async def scenario() -> tuple[list[int], Completion, str, dict]:
+        stream = client.stream(long)
+        tokens = [t for d in await anext(stream) for t in d.token_ids]
+        retiring = client._replica_of[long.request_id]
+        lead = client._leads[retiring]
+        retired = lead.retire.remote(120.0)
+        await lead.load.remote()  # runs once retire has begun: the lead now refuses new work
+        router, chosen = client.book.placer, []
+
+        def retiring_first(spec: GenerateSpec) -> str:
+            chosen.append(retiring if not chosen else router(spec))
+            return chosen[-1]
+
+        client.book.placer = retiring_first
+        try:
+            completion = await client.generate(late)
+        finally:
+            client.book.placer = router
+        tokens += [t for batch in [b async for b in stream] for d in batch for t in d.token_ids]
+        assert chosen[0] == retiring and chosen[1] != retiring, chosen
+        return tokens, completion, retiring, await retired
+
+    tokens, completion, retiring, outcome = asyncio.run(scenario())
+    assert list(completion.token_ids) == _expected(reference, [late.prompt_token_ids], GREEDY)[0]
+    # The running sequence finished where it was, and the replica then left in good order.
+    assert tokens == _expected(reference, [long.prompt_token_ids], long.params)[0]
+    assert outcome == {"in_flight": 1, "finished": 1, "cancelled": 0}
+    assert client.book.failed(retiring)
+
+
 # --- Host actors used directly, as a batch job would -----------------------------------------
 
 

@@ -10,7 +10,9 @@ message per engine step per client (the ingress has one per process), whatever t
 sequences, and no Serve replica relays it.
 
 A sequence whose replica fails before it produced a token is submitted again (the router skips
-the failed replica); one that had started ends with ``ReplicaFailed``. For as long as the client
+the failed replica); one that had started ends with ``ReplicaFailed``. A sequence sent to a
+replica that Serve is stopping (its lead drains and takes nothing new) goes to another replica
+too; only where none is left does the caller hear ``ServerDraining``. For as long as the client
 streams from a replica (the stream stays open between sequences, so the next one needs no Serve
 call) it renews its lease at the lead every ``KEEPALIVE_S``; if its process dies (or its event
 loop ends), the lead aborts its sequences once the lease runs out.
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator
 
 from meshserve.actors.channel import next_batch
 from meshserve.actors.messages import (Completion, GenerateSpec, HostError, RequestRejected,
-                                       SequenceError)
+                                       SequenceError, ServerDraining)
 from meshserve.contracts.tokens import TokenDelta
 from meshserve.actors.host import KEEPALIVE_S
 from meshserve.deploy.load import ReplicaGone, load_book, sequence_cost
@@ -44,6 +46,11 @@ RETRY_BACKOFF_S = 0.2
 
 class ReplicaFailed(RuntimeError):
     """The engine replica serving a sequence failed (or its stream broke)."""
+
+
+class ReplicaRetiring(ReplicaFailed, ServerDraining):
+    """The replica chosen for a sequence is leaving (Serve stops it; its lead drains): the
+    sequence is placed again, and if it was the last replica the server is shutting down."""
 
 
 def replica_lost(exc: BaseException) -> bool:
@@ -142,12 +149,16 @@ class EngineClient:
             return await self._call("submit", self.channel, spec)
         replica_id = placer(spec)
         lead = self._leads.get(replica_id)
-        if lead is None:
-            return await self._call("submit", self.channel, spec, replica_id=replica_id)
         try:
+            if lead is None:
+                return await self._call("submit", self.channel, spec, replica_id=replica_id)
             error = (await lead.submit.remote(self.channel, [spec]))[0]
         except Exception as exc:
-            if isinstance(exc, HostError) or replica_lost(exc):  # the engine stopped, or its host
+            if isinstance(exc, ServerDraining):  # chosen before this process saw it leave
+                self.book.mark_failed(replica_id)
+                raise ReplicaRetiring(f"engine replica {replica_id} is retiring") from None
+            if lead is not None and (isinstance(exc, HostError) or replica_lost(exc)):
+                # the engine stopped, or its host
                 raise ReplicaGone(f"engine replica {replica_id} failed: "
                                   f"{getattr(exc, 'cause', exc)}", replica_id) from None
             raise
