@@ -12,7 +12,7 @@ from meshserve.engine.request import Request
 from meshserve.engine.scheduler import Scheduler
 from meshserve.runner.buckets import pick_bucket, request_buckets, token_buckets
 from meshserve.runner.input_batch import InputBatch
-from meshserve.runner.sampler import SamplingTensors, sample
+from meshserve.runner.sampler import SamplingTensors, greedy_tokens, sample
 
 
 def test_buckets() -> None:
@@ -166,3 +166,17 @@ def test_sampler_filters_respect_their_limits() -> None:
     greedy = sample(logits, tensors(64, temperature=torch.zeros(64)), 3)
     assert set(greedy.token_ids.tolist()) == {0}
     assert torch.allclose(greedy.sampled_logprobs, torch.log(torch.tensor(0.5)))
+
+
+def test_greedy_picks_the_first_of_equal_maxima_as_torch_does() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(32, 49152)
+    logits[3, [7, 9000, 40000]] = 50.0  # ties: the first wins, as in transformers' argmax
+    logits[5] = 0.0
+    logits[6, 11] = float("-inf")
+    expected = logits.max(dim=-1).indices
+    assert expected[3] == 7 and expected[5] == 0
+    greedy = greedy_tokens(logits)
+    assert greedy.dtype == torch.int64 and torch.equal(greedy, expected)
+    # A non-contiguous view (a row selection) reads the same rows.
+    assert torch.equal(greedy_tokens(logits[::2]), expected[::2])
