@@ -160,11 +160,18 @@ def test_cache_is_not_an_input_of_a_compiled_forward() -> None:
 
 
 def test_a_freed_cache_is_reported_not_read() -> None:
-    k_cache, v_cache = torch.zeros(4, 2, 16, 16), torch.zeros(4, 2, 16, 16)
-    cache_id = ops.register_kv_cache(k_cache, v_cache)
+    layout, q, k, v, k_hist, v_hist = mixed_step([1], [3], block=16, blocks=4, heads=2,
+                                                 kv_heads=2, dim=16, dtype=torch.float32)
+    impl = PagedCpuAttention(None)
+    k_cache, v_cache = to_kernel_layout(torch.zeros_like(k_hist), torch.zeros_like(v_hist))
+    cache_id = impl.bind_cache((k_cache, v_cache))
+    meta = impl.metadata(layout, lambda array, token_major: torch.from_numpy(array))
+    impl.forward(q, k, v, cache_id, meta, 0.25)
     del k_cache, v_cache
     with pytest.raises(RuntimeError, match=f"KV cache {cache_id} was freed"):
-        ops._cache(cache_id)
+        impl.forward(q, k, v, cache_id, meta, 0.25)
+    with pytest.raises(RuntimeError, match="no KV cache has id -1"):
+        impl.forward(q, k, v, -1, meta, 0.25)
 
 
 _BUILD_AND_RUN = """

@@ -61,7 +61,9 @@ class PagedCpuAttention(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: int, meta: PagedCpuMetadata, scale: float) -> tuple[torch.Tensor, int]:
-        out = torch.ops.meshserve.paged_attention(
-            query, key, value, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, kv_cache, scale, self.sliding_window or 0)
+        from meshserve.runner.kernels.ops import layer_attention
+
+        out = layer_attention(query, key, value, meta.slot_mapping, meta.block_tables,
+                              meta.query_start_loc, meta.seq_lens, kv_cache, scale,
+                              self.sliding_window or 0)
         return out, kv_cache  # written in place: the same cache

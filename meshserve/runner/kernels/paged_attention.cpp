@@ -24,8 +24,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "float_rows.h"
@@ -282,11 +284,64 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   return out;
 }
 
+namespace {
+
+// Every layer's cache by the id its layer passes to ``layer_attention``, held weakly: the runner
+// that allocated the caches owns them, and an engine that is dropped frees its caches although
+// their ids stay here (until the next registration sweeps them).
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+struct LayerCache {
+  WeakTensor keys, values;
+};
+std::mutex caches_lock;
+std::unordered_map<int64_t, LayerCache> caches;
+int64_t next_cache_id = 0;
+
+int64_t register_kv_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  std::lock_guard<std::mutex> guard(caches_lock);
+  for (auto it = caches.begin(); it != caches.end();) {
+    it = it->second.keys.expired() ? caches.erase(it) : std::next(it);
+  }
+  const int64_t id = next_cache_id++;
+  caches.emplace(id, LayerCache{WeakTensor(k_cache.getIntrusivePtr()),
+                                WeakTensor(v_cache.getIntrusivePtr())});
+  return id;
+}
+
+}  // namespace
+
+// ``paged_attention`` on the cache registered as ``cache_id``: what a compiled forward calls, so
+// that the cache is never among its graph's inputs (see ``ops.py``).
+at::Tensor layer_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           int64_t cache_id, double scale, int64_t window) {
+  at::Tensor k_cache, v_cache;
+  {
+    std::lock_guard<std::mutex> guard(caches_lock);
+    const auto found = caches.find(cache_id);
+    TORCH_CHECK(found != caches.end(), "paged_attention: no KV cache has id ", cache_id);
+    k_cache = at::Tensor(found->second.keys.lock());
+    v_cache = at::Tensor(found->second.values.lock());
+  }
+  TORCH_CHECK(k_cache.defined() && v_cache.defined(), "KV cache ", cache_id,
+              " was freed while its model still runs");
+  return paged_attention(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
+                         query_start_loc, seq_lens, scale, window);
+}
+
 TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("arithmetic(ScalarType dtype, int head_dim, int block_size) -> str", &arithmetic);
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, float scale, int window) -> Tensor");
+  m.def("register_kv_cache(Tensor k_cache, Tensor v_cache) -> int", &register_kv_cache);
+  m.def("layer_attention(Tensor query, Tensor key, Tensor value, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, int cache_id, "
+        "float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("layer_attention", &layer_attention);
+}
