@@ -6,8 +6,8 @@ the CPU they run on (``-march=native``), once per source, torch version and CPU:
 second process, or a restart, loads the library in well under a second without a compiler.
 Concurrent first builds (several host actors starting at once) wait on one builder's flock.
 
-``load()`` registers the ops under ``torch.ops.meshserve_cpu``; ``ops.py`` wraps them as the
-custom ops the model calls.
+``load()`` registers the ops under ``torch.ops.meshserve_cpu``; ``ops.py`` names the ones the
+model calls and gives torch.compile the attention op's output shape.
 
 Attention takes the fastest arithmetic the CPU offers for a cache's dtype and shape
 (``ops.arithmetic``). ``MESHSERVE_CPU_ATTENTION`` (``auto``, ``tiles``, ``pairs`` or ``floats``,
