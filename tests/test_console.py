@@ -1,5 +1,5 @@
-"""What ``meshserve serve`` prints: at the default level its own lines and no one else's routine
-notices; a cluster it cannot join is one line that says why."""
+"""What ``meshserve serve`` and the offline API print: their own lines and no one else's routine
+notices; a cluster the server cannot join is one line that says why."""
 
 from __future__ import annotations
 
@@ -31,6 +31,25 @@ def test_default_console_carries_no_routine_notices(tiny_server) -> None:
     text = tiny_server.log.read_text()
     assert "meshserve: ready" in text and "warm-up done" in text
     assert [line for line in text.splitlines() if any(n in line for n in NOISE)] == [], text
+
+
+def test_a_script_using_the_offline_api_sees_only_meshserve_lines() -> None:
+    """README's offline example, run as a plain script in a fresh interpreter on the bundled
+    model: loading it once printed torch_xla's "Defaulting to PJRT_DEVICE=CPU" (transformers'
+    GGUF loader imports accelerate, which imports torch_xla) and compiling it torch's "No CUDA
+    runtime is found" (cpp_extension's import)."""
+    script = ("from meshserve import LLM, SamplingParams\n"
+              "llm = LLM(max_num_seqs=2, num_kv_blocks=64)\n"
+              "params = SamplingParams(temperature=0.0, max_tokens=4)\n"
+              "print(llm.generate(['The capital of France is'], params)[0].outputs[0].text)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(" Paris")
+    assert "warm-up done" in result.stderr
+    others = [line for line in result.stderr.splitlines() if not line.startswith("meshserve: ")]
+    assert others == [], result.stderr
 
 
 @pytest.mark.slow

@@ -206,6 +206,7 @@ def test_a_fresh_machine_builds_the_kernel_once_without_ninja_on_path(tmp_path) 
         assert out.strip() == "True"
     builds = sum(err.count("building the CPU attention kernel") for _, err in results)
     assert builds == 1
+    assert not any("No CUDA runtime" in err for _, err in results), results
     assert not list((tmp_path / "kernels").glob("*/build-*")), "a scratch build folder was left"
 
 

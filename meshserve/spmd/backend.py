@@ -220,6 +220,11 @@ def create_backend(device: str, parallel: ParallelConfig | None = None,
                 "device='xla'; the cpu backend runs one unsharded model")
         if compile_cache_dir is not None:
             _use_cpu_compile_cache(compile_cache_dir)
+        if not tpu_present():
+            # The device torch_xla would pick here anyway. Libraries the loader imports
+            # (transformers, through accelerate) import torch_xla, which otherwise picks it
+            # itself and says so with a warning on the root logger, configuring that logger.
+            os.environ.setdefault("PJRT_DEVICE", "CPU")
         return Backend("cpu", torch.device("cpu"), static_shapes=False)
     return _create_xla_backend(parallel, compile_cache_dir)
 

@@ -82,8 +82,7 @@ def _build(library: Path) -> bool:
     import fcntl
     import tempfile
 
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     if library.exists():
         return False
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +105,21 @@ def _build(library: Path) -> bool:
         print(f"meshserve: CPU attention kernel built in {time.perf_counter() - started:.0f} s "
               f"({library})", file=sys.stderr, flush=True)
     return True
+
+
+def _cpp_extension():
+    """torch's ``cpp_extension``, imported without the warning it logs on a machine with a CUDA
+    folder but no CUDA runtime: it looks for CUDA at import, and these builds are CPU only.
+    Imported even when the library is built already, because inductor imports it to compile
+    the forward that calls these kernels, and only the first import warns."""
+    noisy = logging.getLogger("torch.utils.cpp_extension")
+    level = noisy.level
+    noisy.setLevel(max(level, logging.ERROR))
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        noisy.setLevel(level)
+    return cpp_extension
 
 
 def _put_ninja_on_path() -> None:
