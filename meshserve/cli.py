@@ -119,8 +119,12 @@ def run_serve(args: argparse.Namespace) -> int:
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  logging_level=args.log_level.upper())
     direct = args.edge == "ingress"
-    serve.start(http_options={"host": args.host, "port": args.port},
-                proxy_location="Disabled" if direct else "HeadOnly", logging_config=logging_config)
+    # Serve's HTTP options are its proxy's. With the ingress listening itself there is no proxy,
+    # and on a cluster where Serve runs already, options other than its own would only draw its
+    # warning that they are ignored, as if --port were.
+    http_options = None if direct else {"host": args.host, "port": args.port}
+    serve.start(http_options=http_options, proxy_location="Disabled" if direct else "HeadOnly",
+                logging_config=logging_config)
     url = f"http://{args.host}:{args.port}"
     print(f"meshserve: loading {settings.model_name()} and warming up...", flush=True)
     started = time.monotonic()

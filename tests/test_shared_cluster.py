@@ -39,6 +39,8 @@ def test_stopping_takes_only_meshserve_off_a_shared_cluster(tiny_llama_dir: str,
             assert server.process.returncode == 0, text[-3000:]
             # The engine replica retired: its caller saw it leave, not fail.
             assert "ERROR" not in text, text[-3000:]
+            # The port is meshserve's listener's, not Serve's proxy's (Disabled here, on 8000).
+            assert "HTTP config" not in text, text[-3000:]
             assert set(serve.status().applications) == {"neighbour"}
             assert neighbour.remote().result(timeout_s=60) == "still here"
         finally:
