@@ -33,6 +33,7 @@ def test_default_console_carries_no_routine_notices(tiny_server) -> None:
     assert [line for line in text.splitlines() if any(n in line for n in NOISE)] == [], text
 
 
+@pytest.mark.slow
 def test_a_script_using_the_offline_api_sees_only_meshserve_lines() -> None:
     """README's offline example, run as a plain script in a fresh interpreter on the bundled
     model: loading it once printed torch_xla's "Defaulting to PJRT_DEVICE=CPU" (transformers'
