@@ -19,6 +19,7 @@ import torch
 
 from meshserve.runner.attention.base import (AttentionBackend, AttentionMetadata, KVCache,
                                              StepLayout, ToDevice)
+from meshserve.runner.kernels.ops import layer_attention, register_kv_cache
 
 MIN_SIZE = 2  # tokens and sequences a step is padded to, so neither size is ever 1
 
@@ -44,8 +45,6 @@ class PagedCpuAttention(AttentionBackend):
                 (num_blocks, kv_heads, block_size, head_dim)]
 
     def bind_cache(self, cache: KVCache) -> int:
-        from meshserve.runner.kernels.ops import register_kv_cache
-
         return register_kv_cache(*cache)
 
     def metadata(self, layout: StepLayout, to_device: ToDevice) -> PagedCpuMetadata:
@@ -61,8 +60,6 @@ class PagedCpuAttention(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: int, meta: PagedCpuMetadata, scale: float) -> tuple[torch.Tensor, int]:
-        from meshserve.runner.kernels.ops import layer_attention
-
         out = layer_attention(query, key, value, meta.slot_mapping, meta.block_tables,
                               meta.query_start_loc, meta.seq_lens, kv_cache, scale,
                               self.sliding_window or 0)
