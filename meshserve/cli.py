@@ -125,6 +125,11 @@ def run_serve(args: argparse.Namespace) -> int:
     http_options = None if direct else {"host": args.host, "port": args.port}
     serve.start(http_options=http_options, proxy_location="Disabled" if direct else "HeadOnly",
                 logging_config=logging_config)
+    mismatch = None if direct else proxy_mismatch(args.host, args.port)
+    if mismatch:  # a joined cluster's Serve keeps its own proxy: --host:--port would be a lie
+        # Nothing of meshserve's is deployed yet, and that Serve is someone else's: leave it be.
+        print(f"meshserve serve: --edge proxy: {mismatch}", file=sys.stderr)
+        return 2
     url = f"http://{args.host}:{args.port}"
     print(f"meshserve: loading {settings.model_name()} and warming up...", flush=True)
     started = time.monotonic()
@@ -198,6 +203,25 @@ def join_failure(address: str, exc: ConnectionError) -> str:
                 "RAY_AUTH_TOKEN_PATH where the token is not in ~/.ray/auth_token), or use "
                 "--address auto for the cluster that runs on this machine")
     return f"cannot join the Ray cluster at {address}: {reason.splitlines()[0]}"
+
+
+def proxy_mismatch(host: str, port: int) -> str | None:
+    """Why Serve's proxy does not answer on ``host:port``, or None when it does. A Serve that
+    already ran on a joined cluster keeps its own proxy settings (serve.start only warns), so
+    the URL meshserve would print could lead nowhere."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    options = details.get("http_options") or {}
+    use_ingress = "or leave --edge at ingress, which listens on --host:--port itself"
+    location = details.get("proxy_location")
+    if getattr(location, "value", location) == "Disabled" or not options:
+        return f"Serve on this cluster runs no HTTP proxy; {use_ingress}"
+    if (options.get("host"), options.get("port")) != (host, port):
+        return (f"Serve's proxy on this cluster listens on {options.get('host')}:"
+                f"{options.get('port')}, not {host}:{port}; pass --host {options.get('host')} "
+                f"--port {options.get('port')}, {use_ingress}")
+    return None
 
 
 def quiet_logs(level: str):
