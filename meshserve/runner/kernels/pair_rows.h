@@ -19,12 +19,13 @@ namespace meshserve_attention {
 
 // bf16 queries and caches, up to four query rows at a time sharing every load: the scores of 16
 // keys are one vdpbf16ps per row and pair of head dimensions (the row's pair broadcast against
-// the 16 keys' pairs, which the paired layout keeps in one 64-byte line), and the value sums one
-// per row, pair of keys and 16 head dimensions (the row's two probabilities broadcast against the
-// two keys' values). Products of two bf16 values are exact in fp32; the probabilities are rounded
-// to bf16 for the value sums, as on the tiles. Each row's arithmetic is its own and in a fixed
-// order, so its result does not depend on the rows beside it; the softmax folds a run of blocks
-// at once, as TileRows does (see TileRows::run for why the runs are aligned).
+// the 16 keys' pairs, which the paired layout keeps in one 64-byte line; each broadcast serves
+// two chunks of 16 keys), and the value sums one per row, pair of keys and 16 head dimensions
+// (the row's two probabilities broadcast against the two keys' values). Products of two bf16
+// values are exact in fp32; the probabilities are rounded to bf16 for the value sums, as on the
+// tiles. Each row's arithmetic is its own and in a fixed order, so its result does not depend on
+// the rows beside it; the softmax folds a run of blocks at once, as TileRows does (see
+// TileRows::run for why the runs are aligned).
 class PairRows {
  public:
   PairRows(int64_t rows_max, int64_t dim, int64_t block_size, float scale)
@@ -56,6 +57,7 @@ class PairRows {
 
  private:
   static constexpr int64_t kGroup = 4;  // query rows that share each key and value load
+  static constexpr int kChunks = 2;  // chunks of 16 keys that share each query broadcast
 
   // Rows r0 .. r0 + RB over the run: scores, the softmax over the whole run, then the value sums.
   template <int RB>
@@ -63,26 +65,10 @@ class PairRows {
     const int64_t B = block_size_, D = dim_, width = kRunBlocks * B;
     const uint32_t* q[RB];  // each row's pairs of head dimensions
     for (int r = 0; r < RB; ++r) q[r] = reinterpret_cast<const uint32_t*>(&q_[(r0 + r) * D]);
-    for (int64_t c = 0; c < blocks.count; ++c) {
-      const uint16_t* keys = reinterpret_cast<const uint16_t*>(blocks.keys[c]);  // [D/2, B, 2]
-      for (int64_t i0 = 0; i0 < B; i0 += kLanes) {
-        // Two sums per row, over even and odd pairs, so that consecutive products do not wait
-        // on each other.
-        __m512 even[RB], odd[RB];
-        for (int r = 0; r < RB; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-        for (int64_t pair = 0; pair < D / 2; pair += 2) {
-          const __m512bh k0 = load_pairs(keys + (pair * B + i0) * 2);
-          const __m512bh k1 = load_pairs(keys + ((pair + 1) * B + i0) * 2);
-          for (int r = 0; r < RB; ++r) {
-            even[r] = _mm512_dpbf16_ps(even[r], broadcast(q[r][pair]), k0);
-            odd[r] = _mm512_dpbf16_ps(odd[r], broadcast(q[r][pair + 1]), k1);
-          }
-        }
-        for (int r = 0; r < RB; ++r) {
-          _mm512_storeu_ps(&scores_[r * width + c * B + i0], _mm512_add_ps(even[r], odd[r]));
-        }
-      }
-    }
+    const int64_t chunks = blocks.count * (B / kLanes);  // the run's keys, 16 at a time
+    int64_t chunk = 0;
+    for (; chunk + kChunks <= chunks; chunk += kChunks) scores<RB, kChunks>(blocks, q, chunk);
+    for (; chunk < chunks; ++chunk) scores<RB, 1>(blocks, q, chunk);
     for (int r = 0; r < RB; ++r) {
       correction_[r] = fold_run_to_bf16(&scores_[r * width], scale_, B, blocks.count,
                                         blocks.lo + r0 + r, blocks.hi + r0 + r, blocks.stride,
@@ -93,6 +79,45 @@ class PairRows {
         value_sums<RB, 4>(blocks, d0, state + r0);
       } else {
         value_sums<RB, 2>(blocks, d0, state + r0);
+      }
+    }
+  }
+
+  // The rows' dot products with NC chunks of 16 keys of the run from ``first`` on. Each row
+  // broadcast serves every chunk, so there is one broadcast per NC products instead of per one.
+  // Each score keeps its own two sums, over even and odd pairs (so that consecutive products do
+  // not wait on each other), whatever NC: a score's bits do not depend on the chunks beside it.
+  template <int RB, int NC>
+  void scores(const BlockRun<c10::BFloat16>& blocks, const uint32_t* const* q, int64_t first) {
+    const int64_t B = block_size_, D = dim_, width = kRunBlocks * B;
+    const uint16_t* keys[NC];  // [D/2, B, 2] from the chunk's first key on
+    int64_t at[NC];  // the chunk's first key in the run
+    for (int n = 0; n < NC; ++n) {
+      const int64_t c = (first + n) / (B / kLanes), i0 = (first + n) % (B / kLanes) * kLanes;
+      keys[n] = reinterpret_cast<const uint16_t*>(blocks.keys[c]) + i0 * 2;
+      at[n] = c * B + i0;
+    }
+    __m512 even[RB][NC], odd[RB][NC];
+    for (int r = 0; r < RB; ++r) {
+      for (int n = 0; n < NC; ++n) even[r][n] = odd[r][n] = _mm512_setzero_ps();
+    }
+    for (int64_t pair = 0; pair < D / 2; pair += 2) {
+      __m512bh k0[NC], k1[NC];
+      for (int n = 0; n < NC; ++n) {
+        k0[n] = load_pairs(keys[n] + pair * B * 2);
+        k1[n] = load_pairs(keys[n] + (pair + 1) * B * 2);
+      }
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh q0 = broadcast(q[r][pair]), q1 = broadcast(q[r][pair + 1]);
+        for (int n = 0; n < NC; ++n) {
+          even[r][n] = _mm512_dpbf16_ps(even[r][n], q0, k0[n]);
+          odd[r][n] = _mm512_dpbf16_ps(odd[r][n], q1, k1[n]);
+        }
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      for (int n = 0; n < NC; ++n) {
+        _mm512_storeu_ps(&scores_[r * width + at[n]], _mm512_add_ps(even[r][n], odd[r][n]));
       }
     }
   }
