@@ -208,19 +208,21 @@ def join_failure(address: str, exc: ConnectionError) -> str:
 def proxy_mismatch(host: str, port: int) -> str | None:
     """Why Serve's proxy does not answer on ``host:port``, or None when it does. A Serve that
     already ran on a joined cluster keeps its own proxy settings (serve.start only warns), so
-    the URL meshserve would print could lead nowhere."""
+    the URL meshserve would print could lead nowhere. Serve's public API does not give those
+    settings (``serve.status`` names proxies, not their address); its client's instance
+    details, what Serve's REST API serves, do (Ray is pinned in pyproject.toml)."""
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()
     options = details.get("http_options") or {}
-    use_ingress = "or leave --edge at ingress, which listens on --host:--port itself"
+    use_ingress = "leave --edge at ingress, which listens on --host:--port itself"
     location = details.get("proxy_location")
     if getattr(location, "value", location) == "Disabled" or not options:
         return f"Serve on this cluster runs no HTTP proxy; {use_ingress}"
     if (options.get("host"), options.get("port")) != (host, port):
         return (f"Serve's proxy on this cluster listens on {options.get('host')}:"
                 f"{options.get('port')}, not {host}:{port}; pass --host {options.get('host')} "
-                f"--port {options.get('port')}, {use_ingress}")
+                f"--port {options.get('port')}, or {use_ingress}")
     return None
 
 

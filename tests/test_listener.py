@@ -1,6 +1,7 @@
 """The ingress replicas' own HTTP listener (``meshserve serve``'s default edge): replicas share the
 serve port, anything else holding it is refused with a message naming the address (before the
-server starts anything), and a listener that closes lets the responses in flight finish."""
+server starts anything), and a listener that closes lets the responses in flight finish. With
+``--edge proxy`` Serve's proxy listens on the serve port instead."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import subprocess
 import sys
 
 import httpx
+import psutil
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from meshserve.deploy.listener import IngressListener, listening_socket
+from tests.server import start_server
 
 
 def test_replicas_share_the_port_and_nothing_else_can_take_it() -> None:
@@ -91,3 +94,22 @@ def test_closing_stops_accepting_and_lets_streams_in_flight_finish() -> None:
             await asyncio.wait_for(closing, 30)
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_edge_proxy_answers_through_serves_proxy_on_the_serve_port(tiny_llama_dir: str,
+                                                                   tmp_path) -> None:
+    server = start_server(["--edge", "proxy", "--model", tiny_llama_dir, "--device", "cpu",
+                           "--max-model-len", "256"], tmp_path / "serve.log")
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        listeners = [c.pid for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [psutil.Process(pid).name() for pid in listeners] == ["ray::ProxyActor"]
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert 1 <= response.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        server.stop()
+    assert server.process.returncode == 0, server.log.read_text()[-3000:]

@@ -3,7 +3,7 @@
 Ray Serve 2.60 starts, in every replica, a gRPC server for deployment-to-deployment calls bound to
 ``[::]:0`` (all interfaces; ray-project/ray#64544), even when the whole Ray cluster runs on
 127.0.0.1. Callers reach a replica at its node's IP, so binding there instead loses nothing and
-keeps a loopback cluster on loopback. This is the one place meshserve reaches into Ray's internals;
+keeps a loopback cluster on loopback. This is the one place meshserve patches Ray's internals;
 it is applied when the deployment modules are imported, which a replica does before it starts
 that server. Remove it once Ray offers a setting.
 """
