@@ -69,6 +69,24 @@ class Server:
                 return m
             time.sleep(0.2)
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def listeners(self) -> list[int]:
+        """The PIDs under the server that listen on its port on 127.0.0.1 (the ingress replicas,
+        or Serve's proxy with ``--edge proxy``)."""
+        found = []
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                sockets = child.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            if any(s.status == psutil.CONN_LISTEN and s.laddr == ("127.0.0.1", self.port)
+                   for s in sockets):
+                found.append(child.pid)
+        return sorted(found)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)

@@ -128,7 +128,7 @@ def test_the_command_the_kubelet_runs_exits_by_health(stub: Stub) -> None:
 
 @pytest.mark.slow
 def test_the_probe_passes_against_meshserve_serve(tiny_server) -> None:
-    port = int(tiny_server.url.rsplit(":", 1)[1])
+    port = tiny_server.port
     probe("tiny-llama", port=port, agent_port=None, deadline_s=30)
     with pytest.raises(ProbeFailure, match="HTTP 404"):  # a model the server does not serve
         probe("not-served", port=port, agent_port=None, deadline_s=30)

@@ -102,10 +102,7 @@ def test_edge_proxy_answers_through_serves_proxy_on_the_serve_port(tiny_llama_di
     server = start_server(["--edge", "proxy", "--model", tiny_llama_dir, "--device", "cpu",
                            "--max-model-len", "256"], tmp_path / "serve.log")
     try:
-        port = int(server.url.rsplit(":", 1)[1])
-        listeners = [c.pid for c in psutil.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-        assert [psutil.Process(pid).name() for pid in listeners] == ["ray::ProxyActor"]
+        assert [psutil.Process(pid).name() for pid in server.listeners()] == ["ray::ProxyActor"]
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 4}
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text

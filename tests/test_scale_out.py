@@ -54,13 +54,9 @@ def _sse_text(lines) -> tuple[str, bool]:
 
 
 def test_every_ingress_replica_listens_on_the_serve_port_and_no_proxy_runs(server) -> None:
-    port = int(server.url.rsplit(":", 1)[1])
-    listening = []
-    for pid in processes(server.process.pid, INGRESS):
-        sockets = psutil.Process(pid).net_connections(kind="tcp")
-        listening += [pid for s in sockets
-                      if s.status == psutil.CONN_LISTEN and s.laddr == ("127.0.0.1", port)]
-    assert len(set(listening)) == 2, listening
+    ingress = processes(server.process.pid, INGRESS)
+    listening = [pid for pid in server.listeners() if pid in ingress]
+    assert len(listening) == 2, listening
     assert processes(server.process.pid, "ProxyActor") == []
 
 
