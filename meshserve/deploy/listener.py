@@ -7,8 +7,9 @@ With a listener each ingress replica accepts connections on the serve port itsel
 on a node binds the same ``host:port`` with ``SO_REUSEPORT``, and the kernel spreads new
 connections over their sockets; a replica that dies takes its socket with it, so connections go
 to the others until Serve has started its successor, which binds again. Connections the kernel
-had queued on the dead replica's socket and not yet handed to it are reset as the socket closes
-(a client sees a failed connection, as from any server that dies, and may retry).
+had queued on the dead replica's socket and not yet handed to it are reset as the socket closes,
+which is when the process's last thread has exited (0.1-0.7 s after a SIGKILL on a 2-core
+machine): a client sees a failed connection, as from any server that dies, and may retry.
 
 What the proxy did that this does not: Serve's request accounting (``max_ongoing_requests``,
 autoscaling on ongoing requests) never sees these requests, so the ingress runs a fixed number of
