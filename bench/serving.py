@@ -295,7 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run meshserve behind Ray Serve's proxy (--edge proxy)")
     p.add_argument("--peer-python", help="python of a venv with vLLM's CPU build")
     p.add_argument("--peer-model", default=str(Path.home() / "models/smollm2-135m-instruct-hf"),
-                   help="Hugging Face folder of the bundled model (written from the GGUF if absent)")
+                   help="Hugging Face folder of the bundled model (written from the GGUF if "
+                        "absent)")
     p.add_argument("--peer-port", type=int, default=8011)
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for one server's run")

@@ -14,7 +14,8 @@ Three measurements, each variant in its own subprocess:
 
 These are CPU figures (xla = torch_xla's PJRT CPU client), not TPU figures.
 
-    .venv/bin/python bench/step.py [--steps 40] [--models narrow,smollm2] [--warm-up-devices cpu,xla]
+    .venv/bin/python bench/step.py [--steps 40] [--models narrow,smollm2]
+                                   [--warm-up-devices cpu,xla]
                                    [--output bench/results/step.json]
 """
 

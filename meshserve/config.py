@@ -65,7 +65,8 @@ class ModelConfig:
         _require(
             self.architecture in SUPPORTED_ARCHITECTURES,
             "architecture",
-            f"{self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"{self.architecture!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -74,7 +75,8 @@ class ModelConfig:
         _require(
             self.num_attention_heads % self.num_key_value_heads == 0,
             "num_key_value_heads",
-            f"{self.num_key_value_heads} does not divide num_attention_heads={self.num_attention_heads}",
+            f"{self.num_key_value_heads} does not divide "
+            f"num_attention_heads={self.num_attention_heads}",
         )
 
 

@@ -1,4 +1,5 @@
-"""Greedy fp32 tokens and logprobs equal transformers' on the same weights, whatever the batching."""
+"""Greedy fp32 tokens and logprobs equal transformers' on the same weights, whatever the
+batching."""
 
 from __future__ import annotations
 

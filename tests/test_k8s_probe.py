@@ -123,7 +123,8 @@ def test_the_command_the_kubelet_runs_exits_by_health(stub: Stub) -> None:
     assert (ok.returncode, ok.stdout.strip()) == (0, "healthy")
     stub.completion = (503, {"error": {"message": "draining"}})
     bad = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and bad.stdout.startswith("unhealthy: one-token completion: HTTP 503")
+    assert bad.returncode == 1
+    assert bad.stdout.startswith("unhealthy: one-token completion: HTTP 503")
 
 
 @pytest.mark.slow

@@ -180,7 +180,8 @@ def test_serve_args_reach_every_engine_field() -> None:
     from meshserve.deploy.settings import ServeSettings
 
     flat = EngineConfig().to_flat()
-    changed = {"model": "/models/m", "generation_config": "vllm", "dtype": "bfloat16", "device": "xla", "seed": 3,
+    changed = {"model": "/models/m", "generation_config": "vllm", "dtype": "bfloat16",
+               "device": "xla", "seed": 3,
                "compile_cache_dir": "/tmp/cache", "block_size": 32, "num_kv_blocks": 99,
                "enable_prefix_caching": False, "memory_fraction": 0.5,
                "device_memory_fraction": 0.5, "max_num_seqs": 7,

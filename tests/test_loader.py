@@ -14,8 +14,9 @@ import transformers
 from meshserve.runner.loader import LoadedModel, default_model_path, load_model
 from tests.tiny_models import build_tiny_llama, build_tiny_mistral, build_tiny_qwen2
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+               "rope_theta": 10000.0}
 
 BUILDERS = {
     "llama": lambda d: build_tiny_llama(d),
@@ -85,10 +86,13 @@ def test_folder_config_fields(tmp_path):
     llama = load_model(build_tiny_llama(str(tmp_path)), progress=False).config
     assert (llama.architecture, llama.vocab_size, llama.hidden_size, llama.intermediate_size) == (
         "llama", 49152, 64, 128)
-    assert (llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads) == (2, 4, 2)
-    assert llama.head_dim == 16 and llama.max_position_embeddings == 1024 and llama.rms_norm_eps == 1e-6
-    assert not llama.tie_word_embeddings and not llama.attention_bias and llama.sliding_window is None
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(str(tmp_path), "tiny-llama"))
+    assert (llama.num_hidden_layers, llama.num_attention_heads,
+            llama.num_key_value_heads) == (2, 4, 2)
+    assert (llama.head_dim, llama.max_position_embeddings, llama.rms_norm_eps) == (16, 1024, 1e-6)
+    assert not llama.tie_word_embeddings and not llama.attention_bias
+    assert llama.sliding_window is None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        os.path.join(str(tmp_path), "tiny-llama"))
     assert llama.bos_token_id == tokenizer.bos_token_id
     assert llama.eos_token_ids == (tokenizer.eos_token_id,)
 
@@ -109,7 +113,8 @@ def test_tied_and_untied_embeddings(tmp_path):
     assert tied.config.tie_word_embeddings and "lm_head.weight" not in tied.weights
     assert not untied.config.tie_word_embeddings
     assert untied.weights["lm_head.weight"].shape == (49152, 64)
-    assert not torch.equal(untied.weights["lm_head.weight"], untied.weights["model.embed_tokens.weight"])
+    assert not torch.equal(untied.weights["lm_head.weight"],
+                           untied.weights["model.embed_tokens.weight"])
 
 
 def test_llama3_rope_scaling(tmp_path):
@@ -254,7 +259,8 @@ def test_gguf_config(smollm2):
     assert (config.vocab_size, config.intermediate_size) == (49152, 1536)
     assert config.tie_word_embeddings and "lm_head.weight" not in smollm2.weights
     assert smollm2.tokenizer.convert_ids_to_tokens(config.bos_token_id) == "<|im_start|>"
-    assert [smollm2.tokenizer.convert_ids_to_tokens(i) for i in config.eos_token_ids] == ["<|im_end|>"]
+    eos = [smollm2.tokenizer.convert_ids_to_tokens(i) for i in config.eos_token_ids]
+    assert eos == ["<|im_end|>"]
     assert smollm2.hf_config.rope_parameters["rope_theta"] == 100000.0
 
 

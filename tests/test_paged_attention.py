@@ -47,7 +47,8 @@ def pair_rows(blocks: torch.Tensor) -> torch.Tensor:
 def unpair_rows(paired_blocks: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pair_rows``, read from a cache whose shape is still [..., R, C]."""
     *lead, rows, cols = paired_blocks.shape
-    return paired_blocks.view(*lead, rows // 2, cols, 2).transpose(-1, -2).reshape(*lead, rows, cols)
+    pairs = paired_blocks.view(*lead, rows // 2, cols, 2)
+    return pairs.transpose(-1, -2).reshape(*lead, rows, cols)
 
 
 def run_kernel(layout: StepLayout, q, k, v, k_cache, v_cache, scale: float, window: int | None):

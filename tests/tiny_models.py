@@ -55,8 +55,8 @@ def build_tiny_mistral(tmp_dir: str, seed: int = 0, *, sliding_window: int | Non
                                         sliding_window=sliding_window, **_COMMON, **_token_ids())
     # The embedding and lm_head are 12 MiB each in float32, so a 4 MB limit gives each its own file
     # and leaves the layers in a third (transformers never splits a tensor across shards).
-    return _save(transformers.MistralForCausalLM, config, os.path.join(tmp_dir, "tiny-mistral"), seed,
-                 max_shard_size="4MB")
+    return _save(transformers.MistralForCausalLM, config, os.path.join(tmp_dir, "tiny-mistral"),
+                 seed, max_shard_size="4MB")
 
 
 def _token_ids() -> dict:

@@ -6,8 +6,9 @@ that a Serve deployment can hand the same bundles to ``placement_group_bundles``
 the placement groups for some replicas and waits for them; ``slots_in`` gives the host slots of a
 group that already exists (Serve's own). Three kinds of replica:
 
-- CPU (no node advertises ``TPU``): one ``{"CPU": host_num_cpus}`` bundle per host, ``STRICT_SPREAD``
-  when the cluster has a node for every host, else ``SPREAD`` (a single development machine).
+- CPU (no node advertises ``TPU``): one ``{"CPU": host_num_cpus}`` bundle per host,
+  ``STRICT_SPREAD`` when the cluster has a node for every host, else ``SPREAD`` (a single
+  development machine).
 - One TPU host: one bundle ``{"CPU": host_num_cpus, "TPU": n}``, where ``n`` is every chip the node
   advertises. Nodes without slice labels qualify (Ray advertises ``TPU`` from the chips it finds,
   labels only from ``TPU_ACCELERATOR_TYPE`` / ``TPU_TOPOLOGY`` or the GCE metadata server); a node
@@ -16,8 +17,8 @@ group that already exists (Serve's own). Three kinds of replica:
   through its ``TPU-<pod>-head`` resource and gang-schedules one whole-host bundle per host of that
   slice, bundle ``h`` pinned to the node labelled ``ray.io/tpu-worker-id=h`` (host 0, the lead, is
   the slice's worker 0, and libtpu's process 0). Plain bundles cannot promise that every host is on
-  the same slice, so this reservation is made at run time (``ReplicaShape.needs_slice_reservation``),
-  by whoever owns the replica.
+  the same slice, so this reservation is made at run time
+  (``ReplicaShape.needs_slice_reservation``), by whoever owns the replica.
 
 Why whole hosts: for a request of one or two chips, or of fewer chips than the node has, Ray's TPU
 support sets ``TPU_VISIBLE_CHIPS`` and ``TPU_HOST_BOUNDS=1,1,1`` in the actor's process, which tells

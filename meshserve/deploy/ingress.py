@@ -63,7 +63,8 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+                   kind: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -76,7 +77,8 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    # Drop "body" and the union-branch tags pydantic adds ("str", "list[int]"): the param is a field.
+    # Drop "body" and the union-branch tags pydantic adds ("str", "list[int]"): the param is a
+    # field.
     location = [str(p) for p in first.get("loc", ())
                 if p != "body" and not _UNION_TAG.fullmatch(str(p))]
     param = ".".join(location) or None
@@ -178,11 +180,12 @@ class OpenAIIngress:
     async def _body(self, request: Request, model_class):
         self._authorize(request)
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+        limit = self.settings.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes")
         raw = await request.body()
-        if len(raw) > self.settings.max_body_bytes:
-            raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+        if len(raw) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

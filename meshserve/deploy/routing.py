@@ -1,8 +1,8 @@
 """Which engine replica takes a sequence: a Ray Serve ``RequestRouter`` in every caller's handle.
 
 The ``Engine`` deployment names ``EngineRouter`` in its ``request_router_config``, so every
-``DeploymentHandle`` to it (each HTTP ingress replica's, a Ray program's) runs this policy in its own
-process; no central router carries requests or tokens.
+``DeploymentHandle`` to it (each HTTP ingress replica's, a Ray program's) runs this policy in its
+own process; no central router carries requests or tokens.
 
 The policy, per sequence (a call whose first argument, or second for ``submit``, is a
 ``GenerateSpec``):

@@ -1,4 +1,5 @@
-"""The readiness probe of meshserve's TPU worker pods: a request completes, not only a process lives.
+"""The readiness probe of meshserve's TPU worker pods: a request completes, not only a process
+lives.
 
 KubeRay's own readiness check for a RayService worker asks the node's raylet and the Serve proxy's
 ``/-/healthz`` whether they are up. Both keep answering while the request path behind them is

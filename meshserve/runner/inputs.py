@@ -228,7 +228,8 @@ class StepInputs:
             return float(self.rng.random())
         # Keyed by (seed, sample, token index): independent of batch, chunking and preemption.
         index = int(self.batch.num_tokens[row] - self.batch.num_prompt_tokens[row])
-        return float(np.random.default_rng([seed, int(self.batch.sample_index[row]), index]).random())
+        sample = int(self.batch.sample_index[row])
+        return float(np.random.default_rng([seed, sample, index]).random())
 
     def penalties(self, active: np.ndarray, rows: int) -> PenaltyTensors[np.ndarray]:
         """The penalty columns of rows ``active``, padded to ``rows`` (neutral in padding)."""

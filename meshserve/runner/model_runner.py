@@ -104,7 +104,8 @@ class ModelRunner:
     def _build_model(self, loaded: LoadedModel, max_positions: int) -> LlamaForCausalLM:
         rotary = Rotary(loaded.rope_inv_freq, loaded.rope_attention_scaling,
                         max_positions).to(self.dtype).to(self.device)
-        # Build on the meta device: parameters are assigned from the loaded weights, not initialised.
+        # Build on the meta device: parameters are assigned from the loaded weights, not
+        # initialised.
         with torch.device("meta"):
             model = LlamaForCausalLM(self.config, rotary, self.attention)
         weights = {name: t.to(self.dtype) for name, t in self.plan.weights(loaded.weights).items()}

@@ -158,4 +158,5 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
     seen = seen.scatter_(1, p.prompt_ids, True)[:, :vocab] | (counts > 0)
     rep = p.repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0).to(logits.dtype)
+    present = (counts > 0).to(logits.dtype)
+    return logits - p.frequency[:, None] * counts - p.presence[:, None] * present

@@ -3,9 +3,10 @@
 On xla that is a finite set of static shapes: the forward per token bucket and context bucket
 (block-table width: one unless the attention cuts the table, see ``PaddedAttention``), the
 selection per (token bucket, reachable request bucket), the logits per request bucket, and
-sampling per request bucket: greedy alone, general, or general with the rank filters, each with logprobs on or off
-and grammar masks on or off. On cpu the forward, the logits and the grammar mask are each
-compiled once for dynamic sizes, and proven general by a second call at unrelated sizes.
+sampling per request bucket: greedy alone, general, or general with the rank filters, each with
+logprobs on or off and grammar masks on or off. On cpu the forward, the logits and the grammar
+mask are each compiled once for dynamic sizes, and proven general by a second call at unrelated
+sizes.
 Every call runs on padding (no request's tokens, writes into the null block), and each prints a
 progress line, so a long compilation is visibly alive.
 """

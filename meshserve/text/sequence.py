@@ -1,4 +1,5 @@
-"""``SequenceText``: one generated sequence as the text edge sees it, fed a ``TokenDelta`` at a time.
+"""``SequenceText``: one generated sequence as the text edge sees it, fed a ``TokenDelta`` at a
+time.
 
 The offline ``LLM`` and the HTTP ingress both receive token ids from engines and owe their users
 text. This is the one place that turns the stream of deltas into tokens, logprobs, text and a finish

@@ -26,7 +26,8 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "PaddedAttention"
            "PallasMetadata", "StepLayout", "ToDevice", "select_attention"]
 
 
-def select_attention(backend: "Backend", config: ModelConfig, max_num_seqs: int) -> AttentionBackend:
+def select_attention(backend: "Backend", config: ModelConfig,
+                     max_num_seqs: int) -> AttentionBackend:
     """The one place that decides how attention runs: Pallas on a TPU only."""
     window = config.sliding_window
     if backend.on_tpu:
