@@ -73,19 +73,19 @@ class Server:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    def socket_owners(self) -> list[int | None]:
+        """The owner of every socket listening on the server's port on 127.0.0.1 (the ingress
+        replicas, or Serve's proxy with ``--edge proxy``; no other process takes a test's port).
+        None for a socket no process owns in /proc: a killed process turns zombie as its main
+        thread exits, but its files close only once its last thread has (a Ray worker has
+        dozens), and until then its socket still listens and the kernel still queues
+        connections on it."""
+        return [c.pid for c in psutil.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr == ("127.0.0.1", self.port)]
+
     def listeners(self) -> list[int]:
-        """The PIDs under the server that listen on its port on 127.0.0.1 (the ingress replicas,
-        or Serve's proxy with ``--edge proxy``)."""
-        found = []
-        for child in psutil.Process(self.process.pid).children(recursive=True):
-            try:
-                sockets = child.net_connections(kind="tcp")
-            except psutil.NoSuchProcess:
-                continue
-            if any(s.status == psutil.CONN_LISTEN and s.laddr == ("127.0.0.1", self.port)
-                   for s in sockets):
-                found.append(child.pid)
-        return sorted(found)
+        """The PIDs of the processes listening on the server's port (``socket_owners``)."""
+        return sorted({pid for pid in self.socket_owners() if pid is not None})
 
     def stop(self) -> None:
         if self.process.poll() is None:

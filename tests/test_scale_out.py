@@ -122,15 +122,6 @@ def _stream(url: str, prompt: str, results: dict, started: threading.Event) -> N
         results[prompt] = (outcome, results.get(prompt, (None, None))[1])
 
 
-def _listening(pid: int, port: int) -> bool:
-    """Does a socket of ``pid`` still listen on ``port``? A killed process turns zombie as its
-    main thread exits, but its files close only once its last thread has (a Ray worker has
-    dozens); until then the socket listens, unowned in /proc, and the kernel still queues
-    connections on it. So a socket on the port that no process owns counts as ``pid``'s."""
-    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid in (pid, None)
-               for c in psutil.net_connections(kind="tcp"))
-
-
 def test_killing_an_ingress_replica_under_load_restarts_no_engine(server) -> None:
     engines = processes(server.process.pid, HOSTS)
     ingresses = processes(server.process.pid, INGRESS)
@@ -152,7 +143,8 @@ def test_killing_an_ingress_replica_under_load_restarts_no_engine(server) -> Non
     # queues some new connections on it (SO_REUSEPORT spreads them over every replica's socket),
     # and those are reset when it closes. A client sees that as a failed connection, as from any
     # server that dies; what this test asks is that serving goes on once it is gone.
-    while _listening(victim.pid, server.port):
+    # A socket no process owns is the victim's, closing (``Server.socket_owners``).
+    while any(owner in (victim.pid, None) for owner in server.socket_owners()):
         assert time.monotonic() - killed_at < 30, "the killed ingress replica's socket stayed open"
         time.sleep(0.05)
     answered_after = None
