@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 
 from tests.server import Server
+from tests.sse import DONE, sse_events
 
 MODEL = "tiny-llama"
 
@@ -38,17 +38,16 @@ def stream(url: str, prompt: str, max_tokens: int, results: dict[str, Outcome],
             if r.status_code != 200:
                 end = f"status {r.status_code}"
                 return
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            for event in sse_events(r.iter_lines()):
+                if event == DONE:
                     continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
+                if "error" in event:
                     end = "error-event"
                     break
                 tokens += 1
                 started.set()
-                if chunk["choices"][0]["finish_reason"]:
-                    end = chunk["choices"][0]["finish_reason"]
+                if event["choices"][0]["finish_reason"]:
+                    end = event["choices"][0]["finish_reason"]
     finally:
         now = time.monotonic()
         results[prompt] = Outcome(end, tokens, now - began, now)

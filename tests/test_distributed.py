@@ -9,11 +9,9 @@ joins for the TPU tests at the end. There is no TPU here: the "TPU" hosts run th
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import subprocess
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -36,6 +34,7 @@ from meshserve.deploy.load import ReplicaGone
 from meshserve.deploy.settings import ServeSettings
 from tests.local_cluster import tpu_nodes
 from tests.server import free_port
+from tests.sse import DONE, sse_events
 
 # Everything that starts the cluster is slow; the few checks of plain data are not.
 slow = pytest.mark.slow
@@ -323,10 +322,10 @@ def test_streaming_through_the_engine_handle_delivers_every_token_once_in_order(
             "model": app.model_name, "prompt": text, "max_tokens": params.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}) as response:
         assert response.status_code == 200
-        events = [line[len("data: "):] for line in response.iter_lines() if line]
-    assert events[-1] == "[DONE]"
+        events = list(sse_events(response.iter_lines()))
+    assert events[-1] == DONE
     for event in events[:-1]:
-        choice = json.loads(event)["choices"][0]
+        choice = event["choices"][0]
         pieces.append(choice["text"])
         reasons.append(choice["finish_reason"])
     assert "".join(pieces) == want

@@ -3,7 +3,6 @@ the deadline, ends the rest with an error event, frees every KV block, and exits
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import threading
@@ -12,6 +11,7 @@ import httpx
 import pytest
 
 from tests.server import start_server
+from tests.sse import DONE, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +26,14 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: str, tmp_path) -> Non
     def stream(name: str, max_tokens: int) -> None:
         body = {"model": "tiny-llama", "prompt": name, "max_tokens": max_tokens,
                 "ignore_eos": True, "stream": True}
-        events = []
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
-            lines = (line for line in r.iter_lines() if line.startswith("data: "))
-            events.append(next(lines))
+            events = sse_events(r.iter_lines())
+            received = [next(events)]
             streaming.wait()
-            events.extend(lines)
-        last = events[-2] if events[-1] == "data: [DONE]" else events[-1]
-        payload = json.loads(last[6:])
-        endings[name] = ("error" if "error" in payload
-                         else payload["choices"][0]["finish_reason"] or "cut")
+            received.extend(events)
+        last = received[-2] if received[-1] == DONE else received[-1]
+        endings[name] = ("error" if "error" in last
+                         else last["choices"][0]["finish_reason"] or "cut")
 
     # Two short requests that finish within the deadline, one far too long to.
     threads = [threading.Thread(target=stream, args=(name, n)) for name, n in

@@ -33,8 +33,16 @@ class _Engines:
         return future
 
 
+class _Unserved(OpenAIIngress.func_or_class):
+    """The ingress class outside Serve, which awaits the async ``__del__`` when it stops a
+    replica: here nothing would, and Python would warn of the coroutine it made."""
+
+    def __del__(self) -> None:
+        pass
+
+
 def _ingress(engines: _Engines) -> OpenAIIngress:
-    ingress = object.__new__(OpenAIIngress.func_or_class)
+    ingress = object.__new__(_Unserved)
     ingress.engine = engines
     ingress._info_task = None
     ingress._info_asked_at = 0.0

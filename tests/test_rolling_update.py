@@ -5,7 +5,6 @@ sequences finish there, then they leave), new sequences go to replicas that take
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from meshserve.deploy.app import build_app
 from meshserve.deploy.settings import ServeSettings
 from tests.local_cluster import local_cluster
 from tests.server import free_port
+from tests.sse import DONE, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -43,14 +43,10 @@ def _stream(url: str, model: str, prompt: str) -> Outcome:
         if response.status_code != 200:
             response.read()
             return Outcome(response.status_code, 0, response.text, False)
-        for line in response.iter_lines():
-            if not line:
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
+        for event in sse_events(response.iter_lines()):
+            if event == DONE:
                 done = True
                 continue
-            event = json.loads(data)
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             for choice in event.get("choices", []):

@@ -10,7 +10,6 @@ the sequences of the dead ingress are aborted on the engines, freeing every KV b
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import threading
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 from tests.server import HOSTS, INGRESS, processes, start_server
+from tests.sse import DONE, sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,13 @@ def server(tiny_llama_dir: str, tmp_path_factory):
 def _sse_text(lines) -> tuple[str, bool]:
     """The text of a completions stream and whether it ended with [DONE] (no error event)."""
     pieces, done = [], False
-    for line in lines:
-        if line == "data: [DONE]":
+    for event in sse_events(lines):
+        if event == DONE:
             done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return "".join(pieces), False
-            pieces.append(chunk["choices"][0]["text"])
+        elif "error" in event:
+            return "".join(pieces), False
+        else:
+            pieces.append(event["choices"][0]["text"])
     return "".join(pieces), done
 
 
@@ -112,9 +111,9 @@ def _stream(url: str, prompt: str, results: dict, started: threading.Event) -> N
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
             results[prompt] = ("open", r.headers.get(HEADER))
-            for line in r.iter_lines():
+            for event in sse_events(r.iter_lines()):
                 started.set()
-                if line == "data: [DONE]":
+                if event == DONE:
                     outcome = "done"
     except httpx.HTTPError:
         outcome = "cut"

@@ -8,13 +8,14 @@ stay flat once warm.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import httpx
 import psutil
 import pytest
+
+from tests.sse import DONE, sse_event
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,12 @@ async def streamed(client: httpx.AsyncClient, url: str, body: dict) -> str:
     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
-            if line == "data: [DONE]":
+            event = sse_event(line)
+            if event == DONE:
                 done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                text.append(chunk["choices"][0]["text"])
+            elif event is not None:
+                assert "error" not in event, event
+                text.append(event["choices"][0]["text"])
     assert done
     return "".join(text)
 
