@@ -67,6 +67,14 @@ def test_stop_token_ids_and_ignore_eos(llm: LLM) -> None:
     first = free.token_ids.index(stop_at)
     assert out.token_ids == free.token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    # The stop token's text is left out unless include_stop_str_in_output, as in vLLM.
+    kept = llm.generate(PROMPTS[:1], SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_at],
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.token_ids == out.token_ids
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+    assert kept.text == llm.tokenizer.decode(kept.token_ids) != out.text
+    assert free.text.startswith(kept.text)
 
 
 def test_stop_string_truncates_text_and_frees_blocks(llm: LLM) -> None:

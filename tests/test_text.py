@@ -94,3 +94,15 @@ def test_stop_strings_are_found_across_token_boundaries_and_never_leak(tok, incl
         first = full.index(stop)
         want = full[:first + len(stop)] if include else full[:first]
         assert detok.stopped and released == detok.text == want, (stop, released[-20:])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_leaves_its_text_out_unless_asked(tok, include) -> None:
+    # The eos with skip_special_tokens off: the one case where a stop token has text to show.
+    ids = tok.encode("The river runs past the old mill.") + [tok.eos_token_id]
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tok, tok.encode("x"), params)
+    text = detok.add(ids[:-3], finished=False)
+    text += detok.add(ids[-3:], finished=True, stop_token=True)
+    assert text == detok.text == tok.decode(ids if include else ids[:-1])
+    assert text.endswith(tok.eos_token) == include

@@ -30,7 +30,8 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1`` disable those filters. ``seed`` makes
     a request reproducible whatever else shares its batch. ``logprobs=k`` returns the log
     probabilities of the sampled token and the ``k`` most likely tokens of the unmodified model
-    distribution (before penalties and a grammar's mask).
+    distribution (before penalties and a grammar's mask). A sequence's text leaves out the stop
+    string, or the eos or stop token id, that ended it, unless ``include_stop_str_in_output``.
     ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a
     grammar (``StructuredOutputParams``).
     """

@@ -113,8 +113,12 @@ class IncrementalDetokenizer:
         self._released = 0
         self._searched = 0  # how much of the text the last stop-string search covered
 
-    def add(self, token_ids: list[int], finished: bool) -> str:
-        """Feed new tokens; return the text that may be shown now (may be empty)."""
+    def add(self, token_ids: list[int], finished: bool, stop_token: bool = False) -> str:
+        """Feed new tokens; return the text that may be shown now (may be empty). ``stop_token``:
+        the last of them ended the sequence (an eos or a stop token id), so its text is left out
+        unless ``include_stop_str_in_output``, as vLLM leaves it out."""
+        if stop_token and not self.params.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
         step = self._decoder.step
         pieces = [step(token) for token in token_ids]
         if finished:

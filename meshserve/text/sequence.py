@@ -46,7 +46,9 @@ class SequenceText:
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or ())
         self.num_cached_tokens = delta.num_cached_tokens
-        released = self.detokenizer.add(list(delta.token_ids), delta.finish_reason is not None)
+        # The engine reports "stop" only for a sequence whose last token is an eos or a stop id.
+        released = self.detokenizer.add(list(delta.token_ids), delta.finish_reason is not None,
+                                        stop_token=delta.finish_reason == FinishReason.STOP.value)
         self.text += released
         # A stop string wins over whatever the engine says ended this step, as in vLLM.
         self.finish_reason = FinishReason.STOP.value if self.stopped else delta.finish_reason
