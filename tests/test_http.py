@@ -101,6 +101,28 @@ def test_stop_sequence(client, reference) -> None:
     assert streamed == got.choices[0].text
 
 
+def test_stop_token_ids_and_include_stop_str_in_output(client, reference) -> None:
+    free = reference.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True))[0].outputs[0]
+    stop_at = free.token_ids[4]
+    texts = []
+    for include in (False, True):
+        extra = {"stop_token_ids": [stop_at], "include_stop_str_in_output": include}
+        want = reference.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=12,
+                                                              **extra))[0].outputs[0]
+        assert want.finish_reason == "stop" and want.token_ids[-1] == stop_at
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                "extra_body": extra}
+        got = client.completions.create(**body)
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens == len(want.token_ids)
+        streamed, _ = stream_text(client, **body)
+        assert streamed == want.text
+        texts.append(want.text)
+    assert texts[0] != texts[1] and texts[1].startswith(texts[0])
+
+
 def test_logprobs_and_echo(client, reference) -> None:
     got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6,
                                     temperature=0, logprobs=3, echo=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from meshserve.contracts.sampling import MAX_LOGPROBS, SamplingParams
 from meshserve.contracts.structured import StructuredOutputParams
@@ -23,7 +23,21 @@ STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_c
                      "guided_grammar", "structured_outputs")
 
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_TOKEN_IDS = 64  # each is checked against every token the sequence generates
 MAX_N = 16
+
+# Fields of OpenAI's API or vLLM's that meshserve does not implement, and the values that ask
+# for nothing. Left out or at one of those, a field passes; set to anything else, the request
+# fails naming it, instead of being answered as if the field were not there.
+UNSUPPORTED = {"logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],),
+               "allowed_token_ids": (), "use_beam_search": (False,)}
+
+
+def _reject_unsupported(value: Any, info: ValidationInfo, neutral: tuple = (),
+                        but: str = "") -> Any:
+    if value is not None and value not in (neutral or UNSUPPORTED[info.field_name]):
+        raise ValueError(f"meshserve does not support {info.field_name}{but}")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +65,15 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension, used by benchmarks
+    # vLLM's extras for how a sequence ends and reads.
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: Any = None
+    min_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: Any = None
     # Structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -70,6 +93,8 @@ class SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return stops
+
+    _unsupported = field_validator(*UNSUPPORTED)(_reject_unsupported)
 
     @property
     def include_usage(self) -> bool:
@@ -92,7 +117,10 @@ class SamplingFields(BaseModel):
         return SamplingParams(
             n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
-            stop=tuple(self.stop or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            stop=tuple(self.stop or ()), stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
             prompt_logprobs=self.wanted_prompt_logprobs(), structured_outputs=structured,
             **unset, **given)
 
@@ -102,6 +130,20 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI caps completions logprobs at 5
     echo: bool = False
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_unsupported(value, info, neutral=("",))
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: Any, info: ValidationInfo) -> Any:
+        # best_of equal to n asks for nothing more than n does.
+        return _reject_unsupported(value, info, neutral=(1, info.data.get("n", 1)),
+                                   but=" other than n")
 
     def wanted_prompt_logprobs(self) -> int | None:
         # Echo with logprobs returns the prompt's tokens with theirs, as OpenAI's API does.
