@@ -85,7 +85,8 @@ def test_stop_string_truncates_text_and_frees_blocks(llm: LLM) -> None:
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16,
                                                    stop=[stop]))[0].outputs[0]
     assert out.text == free.text[:free.text.index(stop)]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert free.stop_reason is None  # ended by its length
     assert all_blocks_free(llm)
 
 

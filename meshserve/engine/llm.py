@@ -35,6 +35,7 @@ class CompletionOutput:
     # One dict per generated token: token id -> Logprob, holding the sampled token and the top k.
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    # The stop string or stop token id that ended it (None for an eos or any other end).
     stop_reason: int | str | None = None
 
     @property
@@ -129,11 +130,13 @@ class LLM:
         if params.logprobs is not None:
             logprobs = [self._logprob_dict(t, lp)
                         for t, lp in zip(sequence.token_ids, sequence.logprobs)]
+        # As in vLLM: the stop string or stop token id that ended it; None for an eos.
         stop_reason: int | str | None = None
+        last = sequence.token_ids[-1] if sequence.token_ids else None
         if sequence.stopped:
-            stop_reason = "stop string"
-        elif sequence.finish_reason == "stop":  # eos or a stop token id: the last token
-            stop_reason = sequence.token_ids[-1]
+            stop_reason = sequence.detokenizer.stop_string
+        elif sequence.finish_reason == "stop" and last in params.stop_token_ids:
+            stop_reason = last
         return CompletionOutput(index, sequence.text, sequence.token_ids, logprobs,
                                 sequence.finish_reason, stop_reason)
 

@@ -107,6 +107,7 @@ class IncrementalDetokenizer:
                                  params.skip_special_tokens)
         self.text = ""
         self.stopped = False  # a stop string was found: the request must be aborted
+        self.stop_string: str | None = None  # the one found first, once stopped
         self._longest_stop = max((len(s) for s in params.stop), default=0)
         # Stop strings can straddle steps: keep this much text unreleased.
         self._hold = max(self._longest_stop - 1, 0)
@@ -147,4 +148,4 @@ class IncrementalDetokenizer:
             at, stop = best
             self.text = self.text[:at + len(stop)] if self.params.include_stop_str_in_output \
                 else self.text[:at]
-            self.stopped = True
+            self.stopped, self.stop_string = True, stop
