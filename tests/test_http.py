@@ -43,6 +43,12 @@ def stream_text(client: openai.OpenAI, **kwargs) -> tuple[str, list]:
     return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
 
+def ending(chunks: list) -> tuple:
+    """The finish reason and vLLM's stop reason on the last choice chunk of a stream."""
+    last = [c.choices[0] for c in chunks if c.choices][-1].model_dump()
+    return last["finish_reason"], last.get("stop_reason")
+
+
 def test_models(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
@@ -96,9 +102,11 @@ def test_stop_sequence(client, reference) -> None:
                                     temperature=0, stop=[stop])
     assert got.choices[0].text == full[:full.index(stop)]
     assert got.choices[0].finish_reason == "stop"
-    streamed, _ = stream_text(client, model=MODEL, prompt=PROMPTS[0], max_tokens=16,
-                              temperature=0, stop=[stop])
+    assert got.choices[0].model_dump()["stop_reason"] == stop
+    streamed, chunks = stream_text(client, model=MODEL, prompt=PROMPTS[0], max_tokens=16,
+                                   temperature=0, stop=[stop])
     assert streamed == got.choices[0].text
+    assert ending(chunks) == ("stop", stop)
 
 
 def test_stop_token_ids_and_include_stop_str_in_output(client, reference) -> None:
@@ -116,9 +124,11 @@ def test_stop_token_ids_and_include_stop_str_in_output(client, reference) -> Non
         got = client.completions.create(**body)
         assert got.choices[0].text == want.text
         assert got.choices[0].finish_reason == "stop"
+        assert got.choices[0].model_dump()["stop_reason"] == stop_at
         assert got.usage.completion_tokens == len(want.token_ids)
-        streamed, _ = stream_text(client, **body)
+        streamed, chunks = stream_text(client, **body)
         assert streamed == want.text
+        assert ending(chunks) == ("stop", stop_at)
         texts.append(want.text)
     assert texts[0] != texts[1] and texts[1].startswith(texts[0])
 
@@ -165,7 +175,16 @@ def test_chat_completion_and_stream(client, reference) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == got.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert ending(chunks) == ("length", None)
+    assert got.choices[0].model_dump()["stop_reason"] is None
+    # A stop string ends the chat's content before it, and is its stop reason.
+    full = got.choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                             temperature=0, stop=[stop])
+    assert stopped.choices[0].message.content == full[:full.index(stop)]
+    assert stopped.choices[0].model_dump()["stop_reason"] == stop
 
 
 def test_64_concurrent_streams_equal_non_streamed(server) -> None:

@@ -44,6 +44,7 @@ class ChoiceEvent:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None
+    stop_reason: int | str | None  # SequenceText.stop_reason, on the last event
 
 
 class ChoiceRunner:
@@ -144,7 +145,7 @@ class ChoiceRunner:
             choice.prompt_logprobs = delta.prompt_logprobs
         text = choice.apply(delta)
         return ChoiceEvent(choice.index, text, delta.token_ids, delta.logprobs or (),
-                           choice.finish_reason)
+                           choice.finish_reason, choice.stop_reason)
 
     # ------------------------------------------------------------------ summaries
     @property

@@ -132,7 +132,7 @@ class CompletionView:
             logprobs = _joined(self._prompt_logprobs(c.index),
                                self._logprobs(c.token_ids, c.logprobs, len(prefix)))
             choice = {"index": c.index, "text": prefix + c.text, "logprobs": logprobs,
-                      "finish_reason": c.finish_reason}
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if self.body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(runner, c,
                                                                  self.body.prompt_logprobs)
@@ -159,8 +159,8 @@ class CompletionView:
                     logprobs = _joined(self._prompt_logprobs(event.index), logprobs)
             offsets[event.index] += len(event.text)
             if event.text or event.finish_reason or logprobs:
-                yield chunk({"index": event.index, "text": event.text, "logprobs": logprobs,
-                             "finish_reason": event.finish_reason})
+                yield chunk(_ending({"index": event.index, "text": event.text,
+                                     "logprobs": logprobs}, event, event.finish_reason))
         if self.body.include_usage:
             yield self.envelope.usage_chunk(runner)
 
@@ -222,7 +222,7 @@ class ChatView:
             message, finish_reason = self._message(c.text, c.finish_reason)
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": finish_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         response = {**self.envelope.fields, "choices": choices, "usage": _usage(runner)}
         if self.body.prompt_logprobs is not None:  # vLLM puts the chat prompt's at the top
             response["prompt_logprobs"] = vllm_prompt_logprobs(runner, runner.choices[0],
@@ -253,9 +253,18 @@ class ChatView:
                 delta["tool_calls"] = calls
             if finish_reason is not None:
                 finish_reason = _with_calls(finish_reason, bool(stream.calls))
-        return {"index": event.index, "delta": delta,
-                "logprobs": self._logprobs(event.token_ids, event.logprobs),
-                "finish_reason": finish_reason}
+        return _ending({"index": event.index, "delta": delta,
+                        "logprobs": self._logprobs(event.token_ids, event.logprobs)},
+                       event, finish_reason)
+
+
+def _ending(choice: dict, event: ChoiceEvent, finish_reason: str | None) -> dict:
+    """A streamed choice with its finish reason; the chunk that ends the choice also carries
+    vLLM's ``stop_reason``, which the others leave out."""
+    choice["finish_reason"] = finish_reason
+    if event.finish_reason is not None:
+        choice["stop_reason"] = event.stop_reason
+    return choice
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:

@@ -130,15 +130,8 @@ class LLM:
         if params.logprobs is not None:
             logprobs = [self._logprob_dict(t, lp)
                         for t, lp in zip(sequence.token_ids, sequence.logprobs)]
-        # As in vLLM: the stop string or stop token id that ended it; None for an eos.
-        stop_reason: int | str | None = None
-        last = sequence.token_ids[-1] if sequence.token_ids else None
-        if sequence.stopped:
-            stop_reason = sequence.detokenizer.stop_string
-        elif sequence.finish_reason == "stop" and last in params.stop_token_ids:
-            stop_reason = last
         return CompletionOutput(index, sequence.text, sequence.token_ids, logprobs,
-                                sequence.finish_reason, stop_reason)
+                                sequence.finish_reason, sequence.stop_reason)
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         sampled, top_ids, top_lps = lp

@@ -41,6 +41,18 @@ class SequenceText:
         it, and whoever owns the request must abort it there."""
         return self.detokenizer.stopped
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        """What ended the sequence, as vLLM reports it: the stop string or the stop token id;
+        None for an eos, its length, or while it runs."""
+        if self.stopped:
+            return self.detokenizer.stop_string
+        last = self.token_ids[-1] if self.token_ids else None
+        if (self.finish_reason == FinishReason.STOP.value
+                and last in self.detokenizer.params.stop_token_ids):
+            return last
+        return None
+
     def apply(self, delta: TokenDelta) -> str:
         """Take the sequence's next delta; return the text it releases (possibly empty)."""
         self.token_ids.extend(delta.token_ids)
