@@ -33,10 +33,9 @@ UNSUPPORTED = {"logit_bias": ({},), "min_tokens": (0,), "bad_words": ([],),
                "allowed_token_ids": (), "use_beam_search": (False,)}
 
 
-def _reject_unsupported(value: Any, info: ValidationInfo, neutral: tuple = (),
-                        but: str = "") -> Any:
-    if value is not None and value not in (neutral or UNSUPPORTED[info.field_name]):
-        raise ValueError(f"meshserve does not support {info.field_name}{but}")
+def _reject_unsupported(name: str, value: Any, neutral: tuple, but: str = "") -> Any:
+    if value is not None and value not in neutral:
+        raise ValueError(f"meshserve does not support {name}{but}")
     return value
 
 
@@ -94,7 +93,10 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return stops
 
-    _unsupported = field_validator(*UNSUPPORTED)(_reject_unsupported)
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _check_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_unsupported(info.field_name, value, UNSUPPORTED[info.field_name])
 
     @property
     def include_usage(self) -> bool:
@@ -135,14 +137,14 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("suffix")
     @classmethod
-    def _check_suffix(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_unsupported(value, info, neutral=("",))
+    def _check_suffix(cls, value: Any) -> Any:
+        return _reject_unsupported("suffix", value, ("",))
 
     @field_validator("best_of")
     @classmethod
     def _check_best_of(cls, value: Any, info: ValidationInfo) -> Any:
         # best_of equal to n asks for nothing more than n does.
-        return _reject_unsupported(value, info, neutral=(1, info.data.get("n", 1)),
+        return _reject_unsupported("best_of", value, (1, info.data.get("n", 1)),
                                    but=" other than n")
 
     def wanted_prompt_logprobs(self) -> int | None:

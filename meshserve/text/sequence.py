@@ -44,14 +44,13 @@ class SequenceText:
     @property
     def stop_reason(self) -> int | str | None:
         """What ended the sequence, as vLLM reports it: the stop string or the stop token id;
-        None for an eos, its length, or while it runs."""
+        None for an eos, its length, or while it runs (read on every delta: that answer first)."""
+        if self.finish_reason != FinishReason.STOP.value:
+            return None
         if self.stopped:
             return self.detokenizer.stop_string
-        last = self.token_ids[-1] if self.token_ids else None
-        if (self.finish_reason == FinishReason.STOP.value
-                and last in self.detokenizer.params.stop_token_ids):
-            return last
-        return None
+        last = self.token_ids[-1]  # "stop" from the engine: its last token ended it
+        return last if last in self.detokenizer.params.stop_token_ids else None
 
     def apply(self, delta: TokenDelta) -> str:
         """Take the sequence's next delta; return the text it releases (possibly empty)."""
